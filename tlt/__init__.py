@@ -1,0 +1,1 @@
+"""tlt: reasoning RL with adaptive speculative decoding."""

@@ -1,0 +1,189 @@
+"""One compact decoder for the Llama / Qwen2 / Qwen3 families, used for rollout and training alike.
+
+Shapes: B = batch rows, T = new tokens per row, H = hidden size, D = head dim, L = cache length.
+`Decoder.forward` returns the last-layer hidden state (after the final norm: the tensor that enters the LM head);
+`Decoder.logits` applies the LM head. With a `CacheView` the forward reads and extends a slot KV cache, which
+covers prefill, one-token decode and multi-token tree verification with one code path.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tlt.models.config import ModelConfig
+
+
+@dataclass
+class CacheView:
+    """The KV cache a forward reads and extends. Batch row b uses cache slot `slot_start + b`."""
+    k: list[torch.Tensor]        # per layer [S, Hkv, L_cap, D]
+    v: list[torch.Tensor]        # per layer [S, Hkv, L_cap, D]
+    cache_lens: torch.Tensor     # [B] long: valid cached tokens per row before this forward
+    slot_start: int = 0
+    tree_mask: torch.Tensor | None = None  # [B, T, T] bool among the new tokens (True = may attend); None = causal
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype  # normalise in fp32 like transformers, then cast back before the scale
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    # Llama-3 rope scaling: long wavelengths divided by `factor`, short kept, smooth blend in between.
+    factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+    old_len = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(medium, blended, scaled)
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", _inv_freq(cfg), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, D]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, mask, cache: CacheView | None, write_idx):
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q = q.view(B, T, self.nh, self.hd)
+        k = k.view(B, T, self.nkv, self.hd)
+        v = v.view(B, T, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = _rotate(q.transpose(1, 2), cos, sin)  # [B, nh, T, D]
+        k = _rotate(k.transpose(1, 2), cos, sin)  # [B, nkv, T, D]
+        v = v.transpose(1, 2)
+        if cache is not None:
+            rows, cols, L = write_idx
+            kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]
+            s0 = cache.slot_start
+            kc[rows + s0, :, cols] = k.transpose(1, 2)  # advanced indices first: [B, T, nkv, D]
+            vc[rows + s0, :, cols] = v.transpose(1, 2)
+            k, v = kc[s0:s0 + B, :, :L], vc[s0:s0 + B, :, :L]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and cache is None and T > 1, enable_gqa=self.nkv != self.nh)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}: tlt supports 'silu'")
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, input_norm: bool = True):
+        super().__init__()
+        # The EAGLE drafter's layer has no input norm (its input is already a mix of embedding and hidden state).
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else nn.Identity()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache=None, write_idx=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, write_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def cache_mask(cache: CacheView, T: int, device) -> tuple[torch.Tensor, tuple]:
+    """Attention mask [B, 1, T, L] and write indices for T new tokens per row appended after `cache_lens`."""
+    lens = cache.cache_lens
+    B = lens.shape[0]
+    L = int(lens.max()) + T
+    rows = torch.arange(B, device=device)[:, None].expand(B, T)
+    cols = lens[:, None] + torch.arange(T, device=device)  # [B, T] cache positions of the new tokens
+    key = torch.arange(L, device=device)
+    mask = (key[None, None, :] < lens[:, None, None]).expand(B, T, L).clone()  # past tokens: always visible
+    new = cache.tree_mask if cache.tree_mask is not None else torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    new = new.expand(B, T, T)
+    # Place the new-token block at each row's own offset (rows have different cache lengths).
+    mask.scatter_(2, cols[:, None, :].expand(B, T, T), new)
+    return mask[:, None], (rows, cols, L)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: CacheView | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [B, T] -> last hidden state [B, T, H] (post final norm).
+
+        attn_mask (no cache only): [B, T, T] bool, True = may attend; None = causal. Used for padding and for
+        packed training samples (block-diagonal).
+        """
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        write_idx = None
+        if cache is not None:
+            mask, write_idx = cache_mask(cache, T, input_ids.device)
+        else:
+            mask = None if attn_mask is None else attn_mask[:, None]
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache, write_idx)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> fp32 logits [..., V]."""
+        return F.linear(hidden, self.lm_head_weight).float()
