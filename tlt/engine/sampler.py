@@ -1,0 +1,47 @@
+"""The one logit transform used by plain sampling AND speculative verification (exactness depends on it).
+
+Order as in vLLM/HF: temperature, then top-k, then top-p. Rows with temperature 0 become a one-hot at the
+argmax, so greedy decoding and greedy verification are the same rule as sampling (u never exceeds 1).
+Sampling is by inverse CDF from a uniform draw per row, so a request's seeded generator alone decides its
+tokens, whatever else is in the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def transform_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] fp32; temperature [N] (0 = greedy); top_k [N] (<=0 = off); top_p [N] (1 = off) -> probs [N, V]."""
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    if bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k, logits.shape[-1]).clamp(max=logits.shape[-1])
+        kth = scaled.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = scaled.softmax(dim=-1)
+    if bool((top_p < 1).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        drop_sorted = mass_before > top_p[:, None]  # keep the smallest prefix whose mass reaches top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], onehot, probs)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: probs [N, V], u [N] in [0, 1) -> token ids [N]. Never returns a zero-probability token."""
+    cdf = probs.cumsum(-1)
+    ids = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return ids.clamp_(max=probs.shape[-1] - 1)
+
+
+def target_logprobs(logits: torch.Tensor, temperature: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Log-prob of `ids` under softmax(logits / T) (raw softmax at T = 0), before top-k/top-p: the quantity an RL
+    trainer recomputes as the old policy's log-prob (verl divides logits by the rollout temperature likewise)."""
+    t = torch.where(temperature <= 0, 1.0, temperature)[:, None]
+    return (logits / t).log_softmax(-1).gather(1, ids[:, None])[:, 0]
