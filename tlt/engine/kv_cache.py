@@ -1,0 +1,45 @@
+"""Slot KV cache: running sequences occupy slots 0..B-1 contiguously, so a decode step reads one slice.
+
+Each layer holds K and V as [num_slots, num_kv_heads, capacity, head_dim]. When a sequence finishes, the last
+running slot moves into its place (one copy per layer), keeping the running rows contiguous. Capacity along the
+length grows on demand (rounded up), so memory follows the longest running sequence, not the context limit.
+"""
+from __future__ import annotations
+
+import torch
+
+from tlt.models.config import ModelConfig
+from tlt.models.decoder import CacheView
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str,
+                 num_layers: int | None = None, round_to: int = 128):
+        self.cfg, self.num_slots, self.dtype, self.device = cfg, num_slots, dtype, device
+        self.num_layers = num_layers or cfg.num_layers
+        self.round_to = round_to
+        self.capacity = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def ensure_capacity(self, length: int) -> None:
+        if length <= self.capacity:
+            return
+        new_cap = -(-length // self.round_to) * self.round_to
+        shape = (self.num_slots, self.cfg.num_kv_heads, new_cap, self.cfg.head_dim)
+        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        for old, new in zip(self.k + self.v, new_k + new_v):
+            new[:, :, :self.capacity] = old
+        self.k, self.v, self.capacity = new_k, new_v, new_cap
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy slot src's first `length` positions into slot dst (compaction after a sequence finishes)."""
+        for t in self.k + self.v:
+            t[dst, :, :length] = t[src, :, :length]
+
+    def view(self, cache_lens: torch.Tensor, slot_start: int = 0, tree_mask: torch.Tensor | None = None) -> CacheView:
+        return CacheView(self.k, self.v, cache_lens, slot_start, tree_mask)

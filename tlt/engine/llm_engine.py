@@ -1,0 +1,147 @@
+"""LLMEngine: continuous batching. Each step either prefills newly admitted requests or decodes all running ones.
+
+    engine.add_request(prompt_ids, params) ... while engine.has_unfinished(): finished += engine.step()
+
+A speculative decoder (tlt.spec) can take over decode steps; it must leave every sequence exactly as plain decoding
+would have (same tokens, same logprobs), which its tests check.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tlt.engine.kv_cache import KVCache
+from tlt.engine.model_runner import ModelRunner
+from tlt.engine.params import SamplingParams
+from tlt.engine.sampler import sample_from, target_logprobs, transform_logits
+from tlt.engine.scheduler import Scheduler
+from tlt.engine.sequence import Sequence
+from tlt.models.decoder import Decoder
+
+
+@dataclass
+class EngineStats:
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    num_spec_steps: int = 0
+    num_generated_tokens: int = 0
+    prefill_time_s: float = 0.0
+    decode_time_s: float = 0.0
+    extra: dict = field(default_factory=dict)  # filled by the speculative decoder
+
+
+class LLMEngine:
+    def __init__(self, model: Decoder, eos_token_ids: list[int], max_num_seqs: int = 64,
+                 max_model_len: int | None = None, kv_cache_tokens: int | None = None, seed: int = 0):
+        self.model = model
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len or model.cfg.max_position_embeddings
+        kv_cache_tokens = kv_cache_tokens or max_num_seqs * self.max_model_len
+        self.kv = KVCache(model.cfg, max_num_seqs, self.dtype, self.device)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, kv_cache_tokens)
+        self.runner = ModelRunner(model, self.kv)
+        self.spec = None  # set by tlt.spec.SpecDecoder.install(engine)
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._seed_rng = torch.Generator().manual_seed(seed)
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, group_id: int | None = None) -> list[Sequence]:
+        if not prompt_ids:
+            raise ValueError("empty prompt: give at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len}: "
+                             f"shorten the prompt or raise max_model_len (the model supports "
+                             f"{self.model.cfg.max_position_embeddings} positions)")
+        if max(prompt_ids) >= self.model.cfg.vocab_size or min(prompt_ids) < 0:
+            raise ValueError(f"prompt token id out of range [0, {self.model.cfg.vocab_size})")
+        request_id = next(self._ids)
+        group_id = request_id if group_id is None else group_id
+        seqs = []
+        for i in range(params.n):
+            seed = params.seed + i if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
+            seq = Sequence(seq_id=next(self._ids), request_id=request_id, sample_index=i, group_id=group_id,
+                           prompt_ids=list(prompt_ids), params=params,
+                           generator=torch.Generator().manual_seed(seed))
+            self.scheduler.add(seq)
+            seqs.append(seq)
+            if self.spec is not None:
+                self.spec.on_add(seq)
+        return seqs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -------------------------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one prefill or decode step; return the sequences that finished in it."""
+        admitted = self.scheduler.admit()
+        t0 = time.perf_counter()
+        if admitted:
+            logits, hidden = self.runner.prefill(admitted)
+            if self.spec is not None:
+                self.spec.on_prefill(admitted, hidden)
+            last = hidden[torch.arange(len(admitted)), torch.tensor([len(s.prompt_ids) - 1 for s in admitted])]
+            done = self._append_sampled(admitted, logits, last)
+            self.stats.num_prefill_steps += 1
+            self.stats.prefill_time_s += time.perf_counter() - t0
+        else:
+            seqs = self.scheduler.running
+            if self.spec is not None and self.spec.wants_step(seqs):
+                done = self.spec.step(seqs)
+                self.stats.num_spec_steps += 1
+            else:
+                logits, hidden = self.runner.decode(seqs)
+                if self.spec is not None:
+                    self.spec.on_plain_decode(seqs, hidden)
+                done = self._append_sampled(seqs, logits, hidden)
+            self.stats.num_decode_steps += 1
+            self.stats.decode_time_s += time.perf_counter() - t0
+        self.scheduler.finish(done)
+        if self.spec is not None:
+            self.spec.on_finish(done)
+        return done
+
+    def _append_sampled(self, seqs: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor) -> list[Sequence]:
+        """Sample one token per row from logits [B, V]; hidden [B, H] produced them."""
+        temp = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
+        if all(s.params.temperature == 0 for s in seqs):
+            ids = logits.argmax(-1)
+        else:
+            top_k = torch.tensor([s.params.top_k for s in seqs], device=logits.device)
+            top_p = torch.tensor([s.params.top_p for s in seqs], device=logits.device)
+            probs = transform_logits(logits, temp, top_k, top_p)
+            u = torch.cat([torch.rand(1, generator=s.generator) for s in seqs]).to(logits.device)
+            ids = sample_from(probs, u)
+        lps = target_logprobs(logits, temp, ids)
+        return self.append_tokens(seqs, [[t] for t in ids.tolist()], [[x] for x in lps.tolist()],
+                                  hidden[:, None])
+
+    def append_tokens(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list[float]],
+                      hidden: torch.Tensor | list | None = None) -> list[Sequence]:
+        """Append emitted tokens per sequence (one, or several under speculation), applying stop rules in order.
+        hidden: per sequence a [k, H] tensor of the states that produced its k tokens (or None)."""
+        done = []
+        if hidden is not None and any(s.params.return_hidden_states for s in seqs):
+            hidden = [h.to("cpu", torch.bfloat16) for h in hidden]  # host copy once, bf16 (drafter data)
+        for i, (seq, toks, lps) in enumerate(zip(seqs, tokens, logprobs)):
+            p = seq.params
+            for j, (tok, lp) in enumerate(zip(toks, lps)):
+                seq.output_ids.append(tok)
+                seq.logprobs.append(lp)
+                if p.return_hidden_states and hidden is not None:
+                    seq.hidden.append(hidden[i][j])
+                self.stats.num_generated_tokens += 1
+                if (tok in self.eos_token_ids and not p.ignore_eos) or (p.stop_token_ids and tok in p.stop_token_ids):
+                    seq.finish_reason = "stop"
+                elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                    seq.finish_reason = "length"
+                if seq.finish_reason:
+                    done.append(seq)
+                    break
+        return done

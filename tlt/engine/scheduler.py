@@ -1,0 +1,62 @@
+"""Scheduler: admission under a KV-cache budget, slot assignment and compaction.
+
+A sequence is admitted only if, with it, every running sequence still fits in the cache at its worst-case length
+(prompt + max_tokens): generation can never run out of KV memory mid-sequence, so there is no OOM and no
+preemption. Running sequences hold slots 0..B-1 in slot order.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from tlt.engine.kv_cache import KVCache
+from tlt.engine.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, kv: KVCache, max_num_seqs: int, max_cache_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = min(max_num_seqs, kv.num_slots)
+        self.max_cache_tokens = max_cache_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def admit(self) -> list[Sequence]:
+        """Move waiting sequences into free slots while the worst-case cache footprint fits the budget."""
+        admitted = []
+        longest = max((s.max_total_len for s in self.running), default=0)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            new_longest = max(longest, seq.max_total_len)
+            if (len(self.running) + 1) * new_longest > self.max_cache_tokens and self.running:
+                break
+            self.waiting.popleft()
+            longest = new_longest
+            seq.status, seq.slot = Status.RUNNING, len(self.running)
+            self.running.append(seq)
+            admitted.append(seq)
+        if admitted:
+            self.kv.ensure_capacity(longest)
+        return admitted
+
+    def finish(self, done: list[Sequence]) -> None:
+        """Drop finished sequences and move the highest live slots into the holes they leave."""
+        if not done:
+            return
+        for seq in done:
+            seq.status = Status.FINISHED
+        self.running = [s for s in self.running if s.status is Status.RUNNING]
+        n = len(self.running)
+        holes = sorted({s.slot for s in done if s.slot < n})
+        movers = [s for s in self.running if s.slot >= n]
+        for hole, seq in zip(holes, movers):
+            self.kv.move(seq.slot, hole, seq.num_cached)
+            seq.slot = hole
+        for seq in done:
+            seq.slot = -1
+        self.running.sort(key=lambda s: s.slot)

@@ -1,0 +1,48 @@
+"""Sequence: the state of one generated sample as it moves through the scheduler."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from tlt.engine.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: int
+    sample_index: int                 # which of the request's n samples
+    group_id: int                     # samples of one prompt share it (GRPO group; n-gram siblings)
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator        # this sample's own RNG: seeded requests reproduce in any batch
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)  # [H] per output token, when kept
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length"
+    slot: int = -1                    # KV-cache slot while running
+    num_cached: int = 0               # tokens whose K/V are in the cache
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def max_total_len(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
