@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny random HF checkpoints built locally (no downloads), one per model family."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def make_tiny_checkpoint(path, family: str = "llama", vocab_size: int = 128, hidden_size: int = 64,
+                         num_layers: int = 2, tie: bool = False, seed: int = 0, **extra) -> str:
+    """Save a tiny random transformers model of `family` to `path` and return the path."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=0)
+    if family == "llama":
+        cfg = LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                          **extra)
+    elif family == "qwen2":
+        cfg = Qwen2Config(**common, **extra)
+    elif family == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=16, **extra)
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def tiny_family_dir(request, tmp_path_factory):
+    """(family, path) of a tiny random checkpoint, for each supported family."""
+    path = tmp_path_factory.mktemp(f"tiny_{request.param}")
+    return request.param, make_tiny_checkpoint(path, request.param, tie=request.param == "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama")

@@ -1,0 +1,110 @@
+"""Engine vs transformers: greedy generation, logprobs, sampling distribution, batching, bad input."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import tlt
+from tests.stats_util import chi_square_pvalue, exact_joint
+from tlt.models import load_model
+
+
+def _prompts(n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 128, (int(L),), generator=g).tolist() for L in torch.randint(2, 20, (n,), generator=g)]
+
+
+def test_greedy_matches_transformers_generate(tiny_family_dir):
+    _, path = tiny_family_dir
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = tlt.LLM(path, dtype="float32", max_num_seqs=3)  # fewer slots than prompts: continuous batching
+    prompts = _prompts()
+    outs = llm.generate(prompts, tlt.SamplingParams(temperature=0, max_tokens=24))
+    # transformers on the whole batch at once, left-padded
+    L = max(map(len, prompts))
+    ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    ref = hf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)[:, L:]
+    for o, r in zip(outs, ref.tolist()):
+        assert o.outputs[0].token_ids == r
+        assert o.outputs[0].finish_reason == "length"
+
+
+def test_logprobs_equal_full_forward(tiny_llama_dir):
+    model = load_model(tiny_llama_dir)
+    llm = tlt.LLM(model, max_num_seqs=4)
+    prompts = _prompts(4, seed=1)
+    for temp in (0.0, 0.7):
+        outs = llm.generate(prompts, tlt.SamplingParams(temperature=temp, max_tokens=12, seed=5,
+                                                        return_hidden_states=True))
+        for p, o in zip(prompts, outs):
+            c = o.outputs[0]
+            ids = torch.tensor([p + c.token_ids])
+            with torch.no_grad():
+                hidden = model(ids)[0, len(p) - 1:-1]
+                logits = model.logits(hidden) / (temp or 1.0)
+            ref = logits.log_softmax(-1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            assert (ref - torch.tensor(c.logprobs)).abs().max() < 1e-4
+            assert (hidden - c.hidden_states.float()).abs().max() < 0.05  # kept in bf16
+
+
+@pytest.mark.parametrize("temp,top_k,top_p", [(1.0, -1, 1.0), (0.8, 5, 1.0), (1.2, -1, 0.7)])
+def test_sampling_follows_model_distribution(tiny_llama_dir, temp, top_k, top_p):
+    """Joint law of the first two tokens vs the exact one; a wrong temperature must be rejected (negative control)."""
+    model = load_model(tiny_llama_dir)
+    # sharpen the tiny model so few continuations carry the mass (fewer cells, a more powerful test)
+    model.lm_head.weight.data *= 8
+    llm = tlt.LLM(model, max_num_seqs=256)
+    prompt = [5, 17, 42]
+    out = llm.generate([prompt], tlt.SamplingParams(n=4000, temperature=temp, top_k=top_k, top_p=top_p,
+                                                    max_tokens=2, seed=11))[0]
+    samples = [tuple(c.token_ids) for c in out.outputs]
+    assert chi_square_pvalue(samples, exact_joint(model, prompt, 2, temp, top_k, top_p)) > 1e-3
+    wrong = exact_joint(model, prompt, 2, temp * 1.3, top_k, top_p)
+    missing = set(samples) - set(wrong)
+    assert missing or chi_square_pvalue(samples, wrong) < 1e-3
+
+
+def test_seeded_sampling_is_batch_independent(tiny_llama_dir):
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=8)
+    prompts = _prompts(4, seed=2)
+    p = tlt.SamplingParams(temperature=1.0, max_tokens=10, seed=7, n=2)
+    a = llm.generate(prompts, p)
+    b = llm.generate(prompts[::-1], p)
+    assert [c.token_ids for c in a[0].outputs] == [c.token_ids for c in b[-1].outputs]
+    assert a[0].outputs[0].token_ids != a[0].outputs[1].token_ids
+    assert a[0].group_id == a[0].request_id
+
+
+def test_kv_budget_admission_never_overflows(tiny_llama_dir):
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=16, kv_cache_tokens=100)
+    outs = llm.generate(_prompts(6, seed=3), tlt.SamplingParams(temperature=0, max_tokens=30))
+    assert all(len(o.outputs[0].token_ids) == 30 for o in outs)
+    assert llm.engine.kv.capacity <= 128
+
+
+def test_stop_tokens(tiny_llama_dir):
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32")
+    out = llm.generate([[3, 4, 5]], tlt.SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    stop = out.token_ids[4]
+    first = out.token_ids.index(stop)
+    out2 = llm.generate([[3, 4, 5]], tlt.SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop]))
+    assert out2[0].outputs[0].token_ids == out.token_ids[:first + 1]
+    assert out2[0].outputs[0].finish_reason == "stop"
+
+
+def test_bad_input_errors(tiny_llama_dir, tmp_path):
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_model_len=32)
+    with pytest.raises(ValueError, match="prompt has 40 tokens but max_model_len is 32"):
+        llm.generate([[1] * 40], tlt.SamplingParams())
+    with pytest.raises(ValueError, match="top_p"):
+        tlt.SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="temperature"):
+        tlt.SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        tlt.SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="text prompts need a tokenizer"):
+        llm.generate(["hello"])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        tlt.LLM(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="dtype"):
+        tlt.LLM(tiny_llama_dir, dtype="int3")
