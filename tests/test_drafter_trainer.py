@@ -1,0 +1,115 @@
+"""DrafterTrainer: loss goes down on fixed data, stop flag preempts within one step, async atomic checkpoints."""
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tlt.drafter_train.buffer import DrafterBuffer
+from tlt.drafter_train.trainer import DrafterTrainer, should_publish
+from tlt.models import load_model
+from tlt.spec.drafter import Drafter
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    path = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def buffer(target):
+    """Rollout-like data: the target's own hidden states over random prompt + response sequences."""
+    buf = DrafterBuffer(max_tokens=100_000, window_len=32, holdout_every=5)
+    g = torch.Generator().manual_seed(0)
+    for i in range(20):
+        ids = torch.randint(0, 128, (1, 48), generator=g)
+        with torch.no_grad():
+            h = target(ids)[0]  # [L, H] post-norm last hidden = what the engine keeps
+        buf.add(ids[0], h, response_start=8, rl_step=0)
+    return buf
+
+
+def make_trainer(target, **kw):
+    torch.manual_seed(1)
+    drafter = Drafter(target.cfg).attach(target)
+    return DrafterTrainer(drafter, lr=kw.pop("lr", 3e-3), batch_tokens=64, num_rows=2, **kw)
+
+
+def test_loss_decreases_on_fixed_data(target, buffer):
+    tr = make_trainer(target, amp_dtype=None)
+    batch = buffer.sample_batch(2, 64, generator=torch.Generator().manual_seed(0))
+    held = buffer.heldout_batch(64, 256)
+    before = tr.evaluate(batch)
+    metrics = [tr.train_step(batch) for _ in range(40)]
+    after = tr.evaluate(batch)
+    # the CE part has a floor (the target's entropy, ~0.1 * log 128 for a random model); the hidden part has not
+    assert metrics[-1].loss < 0.7 * metrics[0].loss
+    assert metrics[-1].hidden_loss < 0.3 * metrics[0].hidden_loss
+    assert after["loss"] < before["loss"] and after["acc"] >= before["acc"]
+    assert 1.0 <= after["accept_proxy"] <= 9.0
+    assert not any(p.grad is not None for p in target.parameters())  # target stays frozen
+    ev = tr.evaluate(held)
+    assert set(ev) >= {"acc", "accept_proxy", "loss", "hidden_loss", "ce"}
+    assert should_publish(ev, None) and not should_publish({"acc": 0.1}, {"acc": 0.5})
+
+
+def test_train_steps_bf16_autocast_runs(target, buffer):
+    tr = make_trainer(target, amp_dtype=torch.bfloat16)
+    stats = tr.train_steps(buffer, max_steps=3)
+    assert stats.steps == 3 and not stats.preempted and stats.tokens > 0 and torch.isfinite(
+        torch.tensor(stats.last.loss))
+
+
+def test_stop_flag_stops_within_one_step(target, buffer):
+    tr = make_trainer(target)
+    calls = []
+
+    def stop():  # raised by the coordinator while step 3 runs: at most one more step may finish
+        calls.append(1)
+        return len(calls) > 3
+
+    stats = tr.train_steps(buffer, max_steps=100, stop_flag=stop)
+    assert stats.steps == 3 and stats.preempted
+    ev = threading.Event()
+    ev.set()
+    assert tr.train_steps(buffer, max_steps=100, stop_flag=ev).steps == 0
+
+
+def test_async_checkpoint_atomic_trainable_only(target, buffer, tmp_path):
+    tr = make_trainer(target, ckpt_dir=tmp_path, ckpt_every=2)
+    tr.train_steps(buffer, max_steps=4)
+    tr.checkpointer.wait()
+    path = tmp_path / "drafter.safetensors"
+    assert path.is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["drafter.safetensors"]  # no temp file left behind
+    sd = load_file(path)
+    assert sd and all(k.startswith(("fc.", "layer.")) for k in sd)
+    fresh = Drafter(target.cfg).attach(target)
+    missing, unexpected = fresh.load_state_dict(sd, strict=False)
+    assert not unexpected and not [k for k in missing if k.startswith(("fc.", "layer."))]
+    for k, v in tr.drafter.trainable_state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[k], v)
+
+
+def test_run_step_local_trains_in_the_gaps(target, buffer):
+    from tlt.drafter_train.coordinator import SpotCoordinator
+    from tlt.drafter_train.local import run_step_local
+    slices = {0: 1, 1: 6, 2: 3}  # replica 0 finishes first, replica 1 is the long tail
+
+    def rollout(replica, group_ids, version):
+        for _ in range(slices[replica] - 1):
+            yield []
+        yield group_ids
+
+    tr = make_trainer(target)
+    co = SpotCoordinator([0, 1, 2], min_train_tokens=100, available_tokens=buffer.num_train_tokens)
+    published = []
+    rep = run_step_local(co, 0, list(range(6)), rollout, tr, buffer, on_publish=published.append)
+    assert rep.drafter_steps == 5 and published == [1] and rep.drafter_version == 1
+    assert tr.total_steps == 5

@@ -1,0 +1,208 @@
+"""Online drafter trainer: the step loop a spot session runs on an idle rollout replica (design doc sections 2, 5).
+
+loss = 1.0 * SmoothL1(pred h_{t+1}, target h_{t+1}) + 0.1 * soft-CE(softmax(lm_head(h_{t+1})), drafter logits),
+both averaged over loss-mask (response) tokens. Only the drafter's fc and layer train; the target's embedding
+and LM head are shared and frozen (the LM head weight is detached here so no gradient reaches the target).
+Preemption is step-granular: the stop flag is checked between steps. Checkpoints hold the trainable params
+only and are written by a background thread (temp file + os.replace, so a reader never sees half a file).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from tlt.drafter_train.buffer import DrafterBuffer
+from tlt.drafter_train.packing import PackedBatch
+from tlt.spec.drafter import Drafter
+
+HIDDEN_WEIGHT, CE_WEIGHT = 1.0, 0.1
+StopFlag = threading.Event | Callable[[], bool] | None
+
+
+@dataclass
+class StepMetrics:
+    loss: float
+    hidden_loss: float
+    ce: float
+    acc: float          # top-1: argmax drafter logits == argmax target logits
+    tokens: int         # loss tokens in the batch
+
+
+@dataclass
+class TrainStats:
+    steps: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    preempted: bool = False               # stopped by the flag before max_steps
+    last: StepMetrics | None = None
+    mean_step_s: float = 0.0
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """bf16 where the hardware does it natively (CUDA, or CPU with AVX512-BF16/AMX), else None (fp32)."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    if device.type == "cpu":
+        check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+        amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+        if (check is not None and check()) or (amx is not None and amx()):
+            return torch.bfloat16
+    return None
+
+
+def _should_stop(flag: StopFlag) -> bool:
+    if flag is None:
+        return False
+    return flag.is_set() if isinstance(flag, threading.Event) else bool(flag())
+
+
+class AsyncCheckpointer:
+    """Copy tensors to CPU now, write safetensors from a background thread; one write in flight at a time."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def save(self, state: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None):
+        self.wait()
+        cpu = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+        def write():
+            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            try:
+                save_file(cpu, str(tmp), metadata=metadata)
+                os.replace(tmp, path)  # atomic: readers see the old file or the new one, never a partial one
+            except OSError as e:
+                self.error = e
+
+        self._thread = threading.Thread(target=write, name="drafter-ckpt", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise RuntimeError(f"drafter checkpoint write failed: {err}") from err
+
+
+class DrafterTrainer:
+    def __init__(self, drafter: Drafter, lr: float, betas: tuple[float, float] = (0.9, 0.95),
+                 weight_decay: float = 0.01, grad_clip: float = 1.0, batch_tokens: int = 2048, num_rows: int = 1,
+                 ckpt_dir: str | os.PathLike | None = None, ckpt_every: int = 0, seed: int = 0,
+                 amp_dtype: torch.dtype | None | str = "auto"):
+        self.drafter = drafter
+        self.params = [p for n, p in drafter.named_parameters() if n.startswith(("fc.", "layer."))]
+        for p in self.params:
+            p.requires_grad_(True)
+        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.grad_clip = grad_clip
+        self.batch_tokens, self.num_rows = batch_tokens, num_rows
+        self.ckpt_dir, self.ckpt_every = (Path(ckpt_dir) if ckpt_dir else None), ckpt_every
+        self.device = next(drafter.parameters()).device
+        self.amp_dtype = autocast_dtype(self.device) if amp_dtype == "auto" else amp_dtype
+        self.generator = torch.Generator().manual_seed(seed)
+        self.checkpointer = AsyncCheckpointer()
+        self.total_steps = 0
+
+    # ---- loss ------------------------------------------------------------------------------------------
+    def _forward(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, StepMetrics]:
+        """Loss (scalar, with grad) and metrics for one packed batch."""
+        b = batch.to(self.device)
+        dtype = next(self.drafter.parameters()).dtype
+        amp = (torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype is not None
+               else contextlib.nullcontext())
+        with amp:
+            pred = self.drafter(b.hidden_in.to(dtype), b.next_ids, b.positions, attn_mask=b.attn_mask)
+        mask = b.loss_mask
+        pred, target = pred[mask].float(), b.target_hidden[mask].float()  # [N, H] loss tokens only
+        hidden_loss = F.smooth_l1_loss(pred, target, reduction="none").mean(-1).mean()
+        w = self.drafter.target.lm_head_weight.detach()  # frozen, shared LM head, in its own dtype (no fp32 copy)
+        with torch.no_grad():
+            target_logits = F.linear(target.to(w.dtype), w).float()         # [N, V]
+            target_top1 = target_logits.argmax(-1)
+            if self.drafter.d2t is not None:  # reduced draft vocabulary: compare on its rows
+                target_logits = target_logits[:, self.drafter.d2t]
+            target_probs = target_logits.softmax(-1)
+        w_draft = w if self.drafter.d2t is None else w[self.drafter.d2t]
+        logits = F.linear(pred.to(w.dtype), w_draft).float()               # [N, V_draft]
+        ce = -(target_probs * logits.log_softmax(-1)).sum(-1).mean()
+        loss = HIDDEN_WEIGHT * hidden_loss + CE_WEIGHT * ce
+        correct = self.drafter.to_target_ids(logits.argmax(-1)) == target_top1  # [N] bool
+        m = StepMetrics(loss.item(), hidden_loss.item(), ce.item(), float(correct.float().mean()), int(mask.sum()))
+        return loss, correct, m
+
+    def train_step(self, batch: PackedBatch) -> StepMetrics:
+        self.drafter.train()
+        loss, _, m = self._forward(batch)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        self.opt.step()
+        self.total_steps += 1
+        return m
+
+    # ---- the spot-session loop -------------------------------------------------------------------------
+    def train_steps(self, buffer: DrafterBuffer, max_steps: int, stop_flag: StopFlag = None,
+                    step: int | None = None) -> TrainStats:
+        """Up to max_steps drafter steps on batches from `buffer` (RL step `step` for offset sampling).
+
+        The stop flag is checked before every step, so preemption waits for at most one step."""
+        stats, t0 = TrainStats(), time.perf_counter()
+        while stats.steps < max_steps:
+            if _should_stop(stop_flag):
+                stats.preempted = True
+                break
+            batch = buffer.sample_batch(self.num_rows, self.batch_tokens, step, self.generator)
+            stats.last = self.train_step(batch)
+            stats.steps += 1
+            stats.tokens += stats.last.tokens
+            if self.ckpt_dir is not None and self.ckpt_every > 0 and self.total_steps % self.ckpt_every == 0:
+                self.save_checkpoint()
+        stats.seconds = time.perf_counter() - t0
+        stats.mean_step_s = stats.seconds / max(stats.steps, 1)
+        return stats
+
+    def save_checkpoint(self, path: str | os.PathLike | None = None) -> Path:
+        """Trainable params only (fc., layer.), written asynchronously; `checkpointer.wait()` to join."""
+        if path is None:
+            if self.ckpt_dir is None:
+                raise ValueError("no checkpoint path: pass path= or construct DrafterTrainer(ckpt_dir=...)")
+            path = self.ckpt_dir / "drafter.safetensors"
+        self.checkpointer.save(self.drafter.trainable_state_dict(), path, {"drafter_steps": str(self.total_steps)})
+        return Path(path)
+
+    # ---- evaluation ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, batch: PackedBatch, depth: int = 8) -> dict[str, float]:
+        """Held-out top-1 accuracy and an accept-length proxy: mean over loss tokens of the run of consecutive
+        teacher-forced top-1 hits starting there (capped at depth) plus the bonus token."""
+        self.drafter.eval()
+        _, correct, m = self._forward(batch)
+        hit = torch.zeros_like(batch.loss_mask)
+        hit[batch.loss_mask] = correct.cpu()
+        run = torch.zeros(batch.loss_mask.shape, dtype=torch.long)
+        T = hit.shape[1]
+        for i in range(T - 1, -1, -1):  # run[i] = hits starting at i within the same window
+            same = batch.seg_ids[:, i + 1] == batch.seg_ids[:, i] if i + 1 < T else torch.zeros_like(hit[:, 0])
+            nxt = run[:, i + 1] if i + 1 < T else torch.zeros_like(run[:, 0])
+            run[:, i] = torch.where(hit[:, i], 1 + torch.where(same, nxt, 0), 0)
+        accept = (run.clamp(max=depth)[batch.loss_mask].float() + 1).mean()
+        return {"acc": m.acc, "loss": m.loss, "hidden_loss": m.hidden_loss, "ce": m.ce, "accept_proxy": float(accept)}
+
+
+def should_publish(new: dict[str, float], old: dict[str, float] | None, tol: float = 0.0) -> bool:
+    """Refuse to publish a drafter whose held-out accuracy got worse than the one in use (by more than tol)."""
+    return old is None or new["acc"] >= old["acc"] - tol
