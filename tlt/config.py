@@ -1,0 +1,360 @@
+"""Typed configuration for tlt: one dataclass per section, loaded from YAML plus dotted overrides.
+
+    cfg = load_config("configs/gsm8k.yaml", ["trainer.total_steps=20", "rollout.n=8"])
+    print(format_config(cfg))
+
+Key names follow verl where the meaning matches (data.train_batch_size, rollout.n, actor.clip_ratio_low, ...).
+Every field carries a one-line help string in its metadata; `config_reference_markdown()` renders them for the
+README. Validation happens at load: unknown keys, wrong types and out-of-range values raise `ConfigError` with
+a message that says what is allowed.
+"""
+
+import copy
+import dataclasses
+import difflib
+import types
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key, type or value is wrong; the message says how to fix it."""
+
+
+def _f(default: Any, description: str, *, ge: float | None = None, gt: float | None = None,
+       le: float | None = None) -> Any:
+    """A dataclass field with a help string and optional numeric bounds (checked at load)."""
+    meta = {"help": description, "ge": ge, "gt": gt, "le": le}
+    if isinstance(default, (list, dict, tuple)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = _f(None, "HF model directory or hub-cache path; null = the embedded default model")
+    dtype: Literal["auto", "float32", "bfloat16"] = _f("auto", "weight dtype; auto = bfloat16 on GPU, float32 on CPU")
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto = cuda if available, else cpu")
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = _f([], "parquet/jsonl files with training prompts (verl schema or {prompt, answer})")
+    val_files: list[str] = _f([], "parquet/jsonl files with validation prompts")
+    prompt_key: str = _f("prompt", "column holding the prompt (chat messages or a string)")
+    max_prompt_length: int = _f(512, "max prompt tokens after the chat template", ge=1)
+    max_response_length: int = _f(256, "max generated tokens per response", ge=1)
+    train_batch_size: int = _f(8, "prompts per RL step (each sampled rollout.n times)", ge=1)
+    val_batch_size: int | None = _f(None, "prompts per validation batch; null = the whole validation set", ge=1)
+    shuffle: bool = _f(True, "shuffle training prompts each epoch")
+    seed: int = _f(0, "seed of the per-epoch shuffle")
+    filter_overlong_prompts: bool = _f(True, "drop prompts longer than max_prompt_length (count is logged)")
+
+
+@dataclass
+class RolloutConfig:
+    n: int = _f(4, "responses per prompt (GRPO group size)", ge=1)
+    temperature: float = _f(1.0, "sampling temperature; 0 = greedy", ge=0)
+    top_p: float = _f(1.0, "nucleus sampling mass, in (0, 1]", gt=0, le=1)
+    top_k: int = _f(-1, "top-k sampling; -1 = off", ge=-1)
+    max_num_seqs: int = _f(64, "max sequences decoded together per rollout worker", ge=1)
+    recompute_logprobs: bool = _f(False, "recompute old log-probs with the trainer model instead of the engine's")
+    dynamic_sampling: bool = _f(False, "DAPO: drop groups whose rewards are all equal")
+    overlong_filter: bool = _f(False, "mask out responses truncated at max_response_length from the loss")
+
+
+@dataclass
+class ActorConfig:
+    lr: float = _f(1e-6, "policy learning rate", ge=0)
+    weight_decay: float = _f(0.0, "AdamW weight decay", ge=0)
+    betas: list[float] = _f([0.9, 0.999], "AdamW betas [beta1, beta2]")
+    warmup_steps: int = _f(0, "linear lr warm-up steps", ge=0)
+    lr_scheduler: Literal["constant", "cosine"] = _f("constant", "lr schedule after warm-up")
+    policy_loss: str = _f("vanilla", "registered policy loss (tlt.rl.losses); vanilla = clipped surrogate")
+    clip_ratio_low: float = _f(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", ge=0)
+    clip_ratio_high: float = _f(0.28, "PPO clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher)", ge=0)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = _f(
+        "token-mean", "how token losses are averaged (verl agg_loss)")
+    use_kl_loss: bool = _f(False, "add a KL-to-reference loss term")
+    kl_loss_coef: float = _f(0.001, "weight of the KL loss", ge=0)
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = _f("k3", "KL estimator; k3 = low_var_kl")
+    entropy_coeff: float = _f(0.0, "entropy bonus weight (loss -= entropy_coeff * entropy)", ge=0)
+    grad_clip: float = _f(1.0, "max global grad norm", gt=0)
+    ppo_epochs: int = _f(1, "passes over each step's rollouts", ge=1)
+    ppo_mini_batch_size: int | None = _f(None, "prompts per optimiser step; null = train_batch_size", ge=1)
+    ppo_max_token_len: int = _f(4096, "token budget of one micro-batch (gradient accumulation)", ge=1)
+    bf16_autocast: bool = _f(True, "bf16 autocast for the policy forward on GPU")
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = _f("grpo", "registered advantage estimator (tlt.rl.advantages): grpo, rloo")
+    norm_adv_by_std_in_grpo: bool = _f(True, "divide GRPO advantages by the group std (false = Dr.GRPO)")
+
+
+@dataclass
+class RewardConfig:
+    format_weight: float = _f(0.0, "weight of the answer-format reward added to the task reward")
+    timeout_s: float = _f(5.0, "per-call timeout of a reward function; a timeout scores 0", gt=0)
+    custom_function: str | None = _f(None, "path/to/file.py:function used for every data_source")
+    errors_fatal: bool = _f(False, "raise on a reward-function error instead of scoring 0")
+
+
+@dataclass
+class SpeculativeConfig:
+    enabled: bool = _f(True, "speculative decoding in rollouts")
+    method: Literal["eagle", "ngram"] = _f("eagle", "eagle = learned drafter, ngram = model-free drafter")
+    model: str | None = _f(None, "drafter checkpoint; null = a fresh drafter (or none for ngram)")
+    num_speculative_tokens: int = _f(4, "draft depth when not chosen by the bandit", ge=1)
+    bs_threshold: int | None = _f(32, "SD turns on when running batch <= this; null = always on", ge=1)
+    hysteresis_steps: int = _f(4, "consecutive decode steps under the threshold before SD turns on", ge=1)
+    buckets: list[int] = _f([1, 4, 20], "batch-size bucket upper bounds; larger batches use the last bucket")
+    arms: list[list[int]] = _f([[4, 1, 4], [8, 1, 8], [6, 4, 16], [8, 4, 32]],
+                               "bandit arms [depth, topk, num_draft_tokens]; topk 1 = chain")
+    epsilon: float = _f(0.1, "bandit exploration probability", ge=0, le=1)
+    window: int = _f(300, "bandit sliding window (steps) for median reward", ge=1)
+
+
+@dataclass
+class DrafterTrainConfig:
+    enabled: bool = _f(True, "train the drafter online on idle rollout workers")
+    lr: float = _f(3e-4, "drafter learning rate", ge=0)
+    every_k_steps: int = _f(1, "train the drafter every k RL steps", ge=1)
+    min_buffer_tokens: int = _f(4096, "buffered tokens needed before a training session starts", ge=0)
+    buffer_max_tokens: int = _f(2_000_000, "FIFO cap of the hidden-state buffer, in tokens", ge=1)
+    window_len: int = _f(512, "training window length over long responses", ge=1)
+    batch_tokens: int = _f(8192, "tokens per packed drafter batch", ge=1)
+    ckpt_every: int = _f(50, "checkpoint trainable drafter params every N drafter steps", ge=1)
+    offset_sampling: bool = _f(True, "mix the previous step's long responses into training (one-step offset)")
+    holdout_fraction: float = _f(0.05, "fraction of samples held out for acceptance metrics", ge=0, le=0.5)
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = _f(20, "RL steps to run", ge=1)
+    save_freq: int = _f(10, "checkpoint every N steps; -1 = only at the end", ge=-1)
+    test_freq: int = _f(10, "validate every N steps; -1 = never", ge=-1)
+    project_name: str = _f("tlt", "project name for loggers")
+    experiment_name: str = _f("default", "run name; outputs go to default_local_dir/experiment_name")
+    default_local_dir: str = _f("runs", "root directory of run outputs")
+    logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = _f(
+        ["console", "jsonl"], "metric sinks")
+    resume: str = _f("auto", "disable | auto (latest checkpoint in the run dir) | a checkpoint path")
+    seed: int = _f(0, "global seed (torch, sampling)")
+    num_rollout_workers: int = _f(1, "rollout replicas", ge=1)
+    use_ray: bool = _f(False, "run rollout workers as Ray actors")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    drafter_train: DrafterTrainConfig = field(default_factory=DrafterTrainConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+# ---------------------------------------------------------------- type checking
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Literal:
+        return " | ".join(f'"{a}"' for a in args)
+    if origin in (Union, types.UnionType):
+        return " | ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if origin is list:
+        return f"list[{_type_name(args[0])}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """Return value converted to tp, or raise TypeError/ValueError (message filled in by the caller)."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg)
+            except (TypeError, ValueError):
+                continue
+        raise TypeError
+    if origin is Literal:
+        if value not in args:
+            raise ValueError
+        return value
+    if origin is list:
+        if isinstance(value, (str, int, float)) and get_origin(args[0]) is not list:
+            value = [value]  # `data.train_files=a.parquet` means a one-element list
+        if not isinstance(value, (list, tuple)):
+            raise TypeError
+        return [_coerce(v, args[0]) for v in value]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise TypeError
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError
+        return value
+    if tp is float:
+        if isinstance(value, str):
+            return float(value)  # YAML 1.1 reads `1e-6` as a string
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError
+        return float(value)
+    if tp is str:
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise TypeError
+        return str(value)
+    raise TypeError(f"unsupported config type {tp}")
+
+
+def _check_bounds(key: str, value: Any, meta: Any, source: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    bounds = [("ge", ">=", lambda a, b: a >= b), ("gt", ">", lambda a, b: a > b), ("le", "<=", lambda a, b: a <= b)]
+    for name, sym, ok in bounds:
+        limit = meta.get(name)
+        if limit is not None and not ok(value, limit):
+            allowed = " and ".join(f"{s} {meta[n]}" for n, s, _ in bounds if meta.get(n) is not None)
+            raise ConfigError(f"{key}={value!r} ({source}) is out of range: allowed values are {allowed}")
+
+
+def _unknown_key(name: str, valid: list[str], where: str, source: str) -> ConfigError:
+    close = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    elsewhere = [s for s, cls in SECTIONS.items() if name in {f.name for f in dataclasses.fields(cls)}]
+    if elsewhere and where != "top level":
+        hint += f" '{name}' exists in section(s): {', '.join(elsewhere)}."
+    return ConfigError(f"unknown config key '{name}' in {where} ({source}).{hint} Valid keys: {', '.join(valid)}")
+
+
+def _set(cfg: Config, key: str, value: Any, source: str) -> None:
+    """Set cfg.<section>.<name> = value after checking the key, the type and the range."""
+    parts = key.split(".")
+    section_name = parts[0]
+    if section_name not in SECTIONS:
+        raise _unknown_key(section_name, list(SECTIONS), "top level", source)
+    section = getattr(cfg, section_name)
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if len(parts) != 2:
+        raise ConfigError(f"config key '{key}' ({source}) must be <section>.<key>, e.g. "
+                          f"{section_name}.{next(iter(fields))}; valid keys: {', '.join(fields)}")
+    f = fields.get(parts[1])
+    if f is None:
+        raise _unknown_key(parts[1], list(fields), f"section '{section_name}'", source)
+    try:
+        coerced = _coerce(value, f.type)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={value!r} ({source}) has the wrong type or value: "
+                          f"expected {_type_name(f.type)}") from None
+    if isinstance(coerced, list):
+        for item in coerced:
+            _check_bounds(key, item, f.metadata, source)
+    else:
+        _check_bounds(key, coerced, f.metadata, source)
+    setattr(section, f.name, coerced)
+
+
+def _validate(cfg: Config) -> None:
+    """Checks that involve several keys."""
+    d, a, s = cfg.data, cfg.actor, cfg.speculative
+    if a.ppo_mini_batch_size is not None and d.train_batch_size % a.ppo_mini_batch_size != 0:
+        raise ConfigError(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} must divide "
+                          f"data.train_batch_size={d.train_batch_size}")
+    if len(a.betas) != 2 or not all(0 <= b < 1 for b in a.betas):
+        raise ConfigError(f"actor.betas={a.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+    if any(b <= 0 for b in s.buckets) or s.buckets != sorted(set(s.buckets)):
+        raise ConfigError(f"speculative.buckets={s.buckets} must be strictly increasing positive batch sizes")
+    for arm in s.arms:
+        if len(arm) != 3 or min(arm) < 1:
+            raise ConfigError(f"speculative.arms entry {arm} must be [depth, topk, num_draft_tokens], all >= 1")
+    fn = cfg.reward.custom_function
+    if fn is not None and (":" not in fn or not fn.rsplit(":", 1)[0].endswith(".py")):
+        raise ConfigError(f"reward.custom_function={fn!r} must look like 'path/to/file.py:function_name'")
+
+
+# ---------------------------------------------------------------- public API
+
+
+def load_config(yaml_path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- `section.key=value` overrides (values parsed as YAML scalars/lists)."""
+    cfg = Config()
+    if yaml_path is not None:
+        try:
+            with open(yaml_path) as fh:
+                raw = yaml.safe_load(fh) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {yaml_path}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {yaml_path} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {yaml_path} must be a mapping of sections, got {type(raw).__name__}")
+        for section_name, values in raw.items():
+            if section_name not in SECTIONS:
+                raise _unknown_key(str(section_name), list(SECTIONS), "top level", yaml_path)
+            if values is None:
+                continue
+            if not isinstance(values, dict):
+                raise ConfigError(f"section '{section_name}' in {yaml_path} must be a mapping of key: value")
+            for name, value in values.items():
+                _set(cfg, f"{section_name}.{name}", value, yaml_path)
+    for item in overrides or []:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override '{item}' must look like section.key=value, e.g. rollout.n=8")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text  # not YAML: keep the raw string and let the type check decide
+        _set(cfg, key.strip(), value, f"override '{item}'")
+    _validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def format_config(cfg: Config) -> str:
+    """The resolved config as YAML text: one line per key, sections in declaration order."""
+    lines = []
+    for section_name, values in config_to_dict(cfg).items():
+        lines.append(f"{section_name}:")
+        for key, value in values.items():
+            text = yaml.safe_dump({key: value}, default_flow_style=True, width=10_000).strip()
+            lines.append(f"  {text[1:-1]}")  # strip the braces of the one-key flow mapping
+    return "\n".join(lines) + "\n"
+
+
+def save_config(cfg: Config, path: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(format_config(cfg))
+
+
+def config_reference_markdown() -> str:
+    """A markdown table per section: key, type, default, description (from field metadata)."""
+    lines = []
+    for section_name, cls in SECTIONS.items():
+        lines += [f"### `{section_name}`", "", "| key | type | default | description |", "|---|---|---|---|"]
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            default = yaml.safe_dump(getattr(defaults, f.name), default_flow_style=True).strip()
+            default = default.removesuffix("...").strip()
+            type_name = _type_name(f.type).replace("|", "\\|")
+            lines.append(f"| `{section_name}.{f.name}` | {type_name} | `{default}` | {f.metadata['help']} |")
+        lines.append("")
+    return "\n".join(lines)
