@@ -131,6 +131,7 @@ class LLMEngine:
             hidden = [h.to("cpu", torch.bfloat16) for h in hidden]  # host copy once, bf16 (drafter data)
         for i, (seq, toks, lps) in enumerate(zip(seqs, tokens, logprobs)):
             p = seq.params
+            before = len(seq.output_ids)
             for j, (tok, lp) in enumerate(zip(toks, lps)):
                 seq.output_ids.append(tok)
                 seq.logprobs.append(lp)
@@ -144,4 +145,6 @@ class LLMEngine:
                 if seq.finish_reason:
                     done.append(seq)
                     break
+            if self.spec is not None:
+                self.spec.on_tokens(seq, seq.output_ids[before:])
         return done

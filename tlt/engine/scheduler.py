@@ -19,6 +19,7 @@ class Scheduler:
         self.max_cache_tokens = max_cache_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.extra_caches: list[KVCache] = []  # slot-indexed caches that move with their rows (drafter's)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -55,7 +56,8 @@ class Scheduler:
         holes = sorted({s.slot for s in done if s.slot < n})
         movers = [s for s in self.running if s.slot >= n]
         for hole, seq in zip(holes, movers):
-            self.kv.move(seq.slot, hole, seq.num_cached)
+            for cache in [self.kv, *self.extra_caches]:
+                cache.move(seq.slot, hole, min(seq.num_cached + 1, cache.capacity))
             seq.slot = hole
         for seq in done:
             seq.slot = -1

@@ -24,7 +24,9 @@ class CacheView:
     v: list[torch.Tensor]        # per layer [S, Hkv, L_cap, D]
     cache_lens: torch.Tensor     # [B] long: valid cached tokens per row before this forward
     slot_start: int = 0
-    tree_mask: torch.Tensor | None = None  # [B, T, T] bool among the new tokens (True = may attend); None = causal
+    # [B, T, S + T] bool (True = may attend) over S speculative entries already written after `cache_lens`
+    # in this step plus the T new tokens; None = causal among the new tokens (S = 0).
+    tree_mask: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -134,18 +136,25 @@ class DecoderLayer(nn.Module):
 
 
 def cache_mask(cache: CacheView, T: int, device) -> tuple[torch.Tensor, tuple]:
-    """Attention mask [B, 1, T, L] and write indices for T new tokens per row appended after `cache_lens`."""
+    """Attention mask [B, 1, T, L] and write indices for T new tokens per row.
+
+    Keys before `cache_lens` are visible to every new token; the S + T keys after it (speculative entries of this
+    step, then the new tokens, written right after them) follow `tree_mask`.
+    """
     lens = cache.cache_lens
     B = lens.shape[0]
-    L = int(lens.max()) + T
+    tree = cache.tree_mask
+    S = 0 if tree is None else tree.shape[-1] - T
+    L = int(lens.max()) + S + T
     rows = torch.arange(B, device=device)[:, None].expand(B, T)
-    cols = lens[:, None] + torch.arange(T, device=device)  # [B, T] cache positions of the new tokens
+    cols = lens[:, None] + S + torch.arange(T, device=device)  # [B, T] cache positions of the new tokens
     key = torch.arange(L, device=device)
-    mask = (key[None, None, :] < lens[:, None, None]).expand(B, T, L).clone()  # past tokens: always visible
-    new = cache.tree_mask if cache.tree_mask is not None else torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    new = new.expand(B, T, T)
-    # Place the new-token block at each row's own offset (rows have different cache lengths).
-    mask.scatter_(2, cols[:, None, :].expand(B, T, T), new)
+    mask = (key[None, None, :] < lens[:, None, None]).expand(B, T, L).clone()  # committed prefix: always visible
+    if tree is None:
+        tree = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    tree_cols = lens[:, None] + torch.arange(S + T, device=device)  # [B, S + T]
+    # Place the speculative block at each row's own offset (rows have different cache lengths).
+    mask.scatter_(2, tree_cols[:, None, :].expand(B, T, S + T), tree.expand(B, T, S + T))
     return mask[:, None], (rows, cols, L)
 
 

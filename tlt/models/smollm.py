@@ -87,18 +87,22 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
-    _inline_chat_template(out_dir, tok.chat_template)
+    _portable_tokenizer_config(out_dir, tok.chat_template)
     provenance = {"source_package": GGUF_DISTRIBUTION,
                   "source_version": importlib.metadata.version(GGUF_DISTRIBUTION),
                   "gguf_file": name, "dtype": "float32", "converted_with": "transformers gguf loader"}
     (out_dir / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
 
 
-def _inline_chat_template(out_dir: Path, template: str) -> None:
-    """Keep the chat template inside tokenizer_config.json too (transformers 5 writes chat_template.jinja),
-    so older loaders and tools that read only tokenizer_config.json see it."""
+def _portable_tokenizer_config(out_dir: Path, template: str) -> None:
+    """Make tokenizer_config.json self-contained and loadable by transformers 4.x too: inline the chat template
+    (transformers 5 writes it to chat_template.jinja only), name the upstream GPT2Tokenizer class (5.x writes its
+    own TokenizersBackend) and drop load-time flags that save_pretrained leaks into the file."""
     path = out_dir / "tokenizer_config.json"
     cfg = json.loads(path.read_text())
+    for key in ("is_local", "local_files_only"):
+        cfg.pop(key, None)
+    cfg["tokenizer_class"] = "GPT2Tokenizer"
     cfg["chat_template"] = template
     path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
@@ -113,6 +117,9 @@ def default_model_path() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIR_NAME}.tmp-", dir=out.parent))
     try:
         convert_gguf(gguf_path, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache is an ordinary shared directory
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         if out.exists() and not _is_complete(out):
             shutil.rmtree(out)  # leftover of an older, broken layout: replace it
         try:

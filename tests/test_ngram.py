@@ -1,0 +1,85 @@
+"""N-gram drafter: own-context, sibling and history matches, longest n first, incremental updates, trees."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tlt.spec.ngram import NgramDrafter
+
+
+def test_own_context_match_and_incremental_update():
+    d = NgramDrafter(max_n=3, min_n=2, num_draft_tokens=3)
+    d.register("a", group_id=0, prompt_key="p", token_ids=[1, 2, 3, 4, 5, 9, 1, 2])
+    assert d.propose("a") == [3, 4, 5]      # suffix (1, 2) occurred before, followed by 3 4 5
+    d.update("a", [3])
+    assert d.propose("a", k=2) == [4, 5]    # now (1, 2, 3) matches: longest n
+    d.update("a", [7])                      # (2, 3, 7) / (3, 7) never seen
+    assert d.propose("a") == []
+
+
+def test_longest_n_wins_over_recency():
+    d = NgramDrafter(max_n=3, min_n=1, num_draft_tokens=1)
+    d.register("a", 0, "p", [5, 1, 2, 8, 0, 2, 6, 1, 2])
+    # (1, 2) was followed by 8; the 1-gram (2,) was last followed by 6: the longer match wins
+    assert d.propose("a") == [8]
+
+
+def test_siblings_and_history():
+    d = NgramDrafter(max_n=4, min_n=2, num_draft_tokens=4)
+    prompt = [100, 101]
+    d.register("a", "g1", "p", prompt + [1, 2, 3, 4, 5, 6])
+    d.register("b", "g1", "p", prompt + [7, 1, 2])
+    assert d.propose("b") == [3, 4, 5, 6]   # copied from sibling a
+    d.finish("a")
+    assert d.propose("b") == [3, 4, 5, 6]   # finished siblings stay visible to the group
+    d.update("b", [3, 9, 9])
+    d.finish("b")
+    assert d.stats() == {"running": 0, "groups": 0, "history_prompts": 1}
+    # next epoch: a new group for the same prompt sees both earlier responses (newest first)
+    d.register("c", "g2", "p", prompt + [2, 3])
+    assert d.propose("c") == [4, 5, 6]      # b (newest) offers 9 9, a offers 4 5 6: no full k, longest wins
+    assert d.propose("c", k=2) == [9, 9]    # both full: newest first
+    d.register("x", "g3", "other", [1, 2])
+    assert d.propose("x") == []             # history is keyed by prompt
+    with pytest.raises(KeyError):
+        d.update("a", [1])
+    with pytest.raises(ValueError):
+        d.register("c", "g2", "p", [1])
+
+
+def test_history_is_bounded():
+    d = NgramDrafter(max_history=2, max_history_prompts=3)
+    for i in range(10):
+        d.register(i, i, i % 5, [1, 2, 3, i])
+        d.finish(i)
+    assert len(d.history) == 3 and all(len(h) <= 2 for h in d.history.values())
+
+
+def test_propose_tree_merges_continuations():
+    d = NgramDrafter(max_n=2, min_n=2, num_draft_tokens=5)
+    d.register("a", "g", "p", [1, 2, 3, 4, 0, 1, 2])
+    d.register("b", "g", "p", [1, 2, 3, 5])
+    d.register("c", "g", "p", [1, 2, 8, 8])
+    tokens, parents = d.propose_tree("a", width=2)
+    # root 2; branches cut to depth 5 // 2 = 2: own 3 4, sibling b shares "3" then branches to 5,
+    # sibling c (8 8) would be a third branch (width 2): dropped
+    assert tokens[0] == 2 and parents[0] == -1
+    assert tokens == [2, 3, 4, 5] and parents == [-1, 0, 1, 1]
+    assert tokens[1:3] == [3, 4] and parents[1:3] == [0, 1]
+    assert (5 in tokens) and parents[tokens.index(5)] == 1
+    assert 8 not in tokens
+    assert all(parents[i] < i for i in range(1, len(parents)))
+
+
+def test_cheap_per_step():
+    d = NgramDrafter(max_n=4, min_n=2, num_draft_tokens=8)
+    for s in range(16):
+        d.register(s, "g", "p", list(range(200)))
+    t0 = time.perf_counter()
+    for step in range(200):
+        for s in range(16):
+            d.update(s, [(step * 7 + s) % 50])
+            d.propose(s)
+    per_call = (time.perf_counter() - t0) / (200 * 16)
+    assert per_call < 1e-3, f"{per_call * 1e6:.0f} us per update+propose"

@@ -1,0 +1,153 @@
+"""Speculative decoding is lossless: greedy output identical with SD on/off, sampled law equal to the target's
+(with a negative control), logprobs and kept hidden states equal a full forward, drafter swaps mid-run."""
+import pytest
+import torch
+
+import tlt
+from tests.conftest import make_tiny_checkpoint
+from tests.spec_util import quick_drafter
+from tests.stats_util import chi_square_pvalue, exact_joint
+from tlt.models import load_model
+from tlt.spec.drafter import Drafter
+from tlt.spec.drafter_io import load_drafter, save_drafter
+from tlt.spec.spec_decoder import SpecDecoder
+from tlt.spec.config import SpecConfig
+from tlt.spec.verify import verify_deterministic
+
+CHAIN = dict(method="eagle", bs_threshold=None, adaptive=False, num_speculative_tokens=4)
+TREE = dict(method="eagle", bs_threshold=None, adaptive=False, num_speculative_tokens=3, draft_topk=3,
+            num_draft_tokens=8)
+NGRAM = dict(method="ngram", bs_threshold=None, adaptive=False, num_speculative_tokens=4)
+ADAPTIVE = dict(method="eagle", bs_threshold=2, hysteresis_steps=2, epsilon=0.3)
+
+
+def _prompts(V, n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, V, (int(L),), generator=g).tolist() for L in torch.randint(2, 14, (n,), generator=g)]
+
+
+@pytest.fixture(scope="module")
+def sharp_llama(tmp_path_factory):
+    """A tiny target made peaked (so drafts get accepted) and a drafter trained on its samples."""
+    model = load_model(make_tiny_checkpoint(tmp_path_factory.mktemp("sharp"), "llama", seed=3))
+    model.lm_head.weight.data *= 3
+    drafter_dir = tmp_path_factory.mktemp("drafter")
+    save_drafter(quick_drafter(model, steps=60, num_prompts=12), drafter_dir)
+    return model, str(drafter_dir)
+
+
+@pytest.mark.parametrize("spec", [CHAIN, TREE, NGRAM, ADAPTIVE], ids=["chain", "tree", "ngram", "adaptive"])
+def test_greedy_identical_with_sd_trained_drafter(sharp_llama, spec):
+    model, drafter_dir = sharp_llama
+    prompts = _prompts(128)
+    p = tlt.SamplingParams(temperature=0, max_tokens=48)
+    ref = [o.outputs[0].token_ids for o in tlt.LLM(model, max_num_seqs=3).generate(prompts, p)]
+    llm = tlt.LLM(model, max_num_seqs=3, speculative_config=dict(spec, model=drafter_dir) if spec["method"] ==
+                  "eagle" else spec)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == ref
+    stats = llm.stats()
+    assert stats["num_spec_steps"] > 0
+    if spec is not ADAPTIVE:
+        assert stats["spec_accept_length"] > 1.05, "drafts are never accepted: the accept path went untested"
+    else:
+        assert 0 < stats["spec_on_fraction"] < 1
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_greedy_identical_other_families(tmp_path, family):
+    model = load_model(make_tiny_checkpoint(tmp_path, family, tie=family == "qwen3"))
+    drafter_dir = tmp_path / "d"
+    save_drafter(Drafter(model.cfg), drafter_dir)
+    prompts = _prompts(128, seed=1)
+    p = tlt.SamplingParams(temperature=0, max_tokens=32)
+    ref = [o.outputs[0].token_ids for o in tlt.LLM(model, max_num_seqs=4).generate(prompts, p)]
+    for spec in (dict(TREE, model=str(drafter_dir)), NGRAM):
+        llm = tlt.LLM(model, max_num_seqs=4, speculative_config=spec)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == ref
+
+
+def _wrong_rule(p, tokens, parents, valid, rng):
+    """Negative control: accepts drafted tokens too eagerly (their mass doubled at the parent node)."""
+    p = p.clone()
+    B, N = tokens.shape
+    rows = torch.arange(B)[:, None].expand(B, N - 1)
+    boost = torch.where(valid[:, 1:], 2.0, 1.0)
+    p[rows, parents[:, 1:].clamp(min=0), tokens[:, 1:]] *= boost
+    return verify_deterministic(p, tokens, parents, valid, rng)
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_model(tmp_path_factory):
+    model = load_model(make_tiny_checkpoint(tmp_path_factory.mktemp("v12"), "llama", vocab_size=12, seed=4))
+    model.lm_head.weight.data *= 4
+    drafter_dir = tmp_path_factory.mktemp("v12_drafter")
+    save_drafter(quick_drafter(model, steps=40, num_prompts=8, max_tokens=24), drafter_dir)
+    return model, drafter_dir
+
+
+@pytest.mark.parametrize("temp,top_k,top_p,spec", [
+    (1.0, -1, 1.0, TREE),
+    pytest.param(0.9, 4, 1.0, CHAIN, marks=pytest.mark.slow),
+    pytest.param(1.0, -1, 0.8, TREE, marks=pytest.mark.slow),
+    pytest.param(1.0, -1, 1.0, NGRAM, marks=pytest.mark.slow)], ids=["tree", "chain-topk", "tree-topp", "ngram"])
+def test_sampled_law_under_sd_matches_target(tiny_vocab_model, temp, top_k, top_p, spec):
+    model, drafter_dir = tiny_vocab_model
+    prompt, depth, n = [3, 7, 1, 3, 7], 3, 2500
+    exact = exact_joint(model, prompt, depth, temp, top_k, top_p)
+    cfg = SpecConfig.from_dict(dict(spec, model=str(drafter_dir)) if spec["method"] == "eagle" else spec)
+    params = tlt.SamplingParams(n=n, temperature=temp, top_k=top_k, top_p=top_p, max_tokens=depth, seed=1)
+    pvals = {}
+    for name, rule in (("exact", verify_deterministic), ("wrong", _wrong_rule)):
+        llm = tlt.LLM(model, max_num_seqs=256)
+        drafter = load_drafter(drafter_dir) if cfg.method == "eagle" else None
+        llm.spec = SpecDecoder(llm.engine, cfg, drafter, verify_fn=rule)
+        out = llm.generate([prompt], params)[0]
+        assert llm.stats()["spec_accept_length"] > 1.1  # drafts are accepted often: the rule matters
+        pvals[name] = chi_square_pvalue([tuple(c.token_ids) for c in out.outputs], exact)
+    assert pvals["exact"] > 1e-3, pvals
+    assert pvals["wrong"] < 1e-3, pvals
+
+
+def test_logprobs_and_hidden_under_sd_equal_full_forward(sharp_llama):
+    model, drafter_dir = sharp_llama
+    prompts = _prompts(128, n=4, seed=2)
+    llm = tlt.LLM(model, max_num_seqs=4, speculative_config=dict(TREE, model=drafter_dir))
+    for temp in (0.0, 0.8):
+        outs = llm.generate(prompts, tlt.SamplingParams(temperature=temp, max_tokens=24, seed=3,
+                                                        return_hidden_states=True))
+        for p, o in zip(prompts, outs):
+            c = o.outputs[0]
+            with torch.no_grad():
+                hidden = model(torch.tensor([p + c.token_ids]))[0, len(p) - 1:-1]
+                ref = (model.logits(hidden) / (temp or 1.0)).log_softmax(-1)
+            ref = ref.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            assert (ref - torch.tensor(c.logprobs)).abs().max() < 1e-4
+            assert (hidden - c.hidden_states.float()).abs().max() < 0.05
+    assert llm.stats()["spec_accept_length"] > 1.05
+
+
+def test_drafter_swap_mid_rollout_stays_exact(sharp_llama):
+    model, drafter_dir = sharp_llama
+    prompts = _prompts(128, n=3, seed=4)
+    p = tlt.SamplingParams(temperature=0, max_tokens=40)
+    ref = [o.outputs[0].token_ids for o in tlt.LLM(model).generate(prompts, p)]
+    llm = tlt.LLM(model, speculative_config=dict(CHAIN, model=drafter_dir))
+    seqs = [llm.engine.add_request(x, p)[0] for x in prompts]
+    fresh = Drafter(model.cfg).trainable_state_dict()
+    steps = 0
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        steps += 1
+        if steps == 5:
+            llm.spec.load_drafter_state(fresh)  # publish different weights mid-rollout
+    assert [s.output_ids for s in seqs] == ref
+    assert llm.spec.drafter_version == 1
+
+
+def test_spec_config_errors():
+    with pytest.raises(ValueError, match="did you mean bs_threshold"):
+        SpecConfig.from_dict({"method": "ngram", "bs_treshold": 4})
+    with pytest.raises(ValueError, match="needs model="):
+        SpecConfig.from_dict({"method": "eagle"})
+    with pytest.raises(ValueError, match="method="):
+        SpecConfig.from_dict({"method": "medusa"})

@@ -1,0 +1,130 @@
+"""BEG-MAB: a bucketed epsilon-greedy bandit that picks the drafting strategy per decode step (design doc 6).
+
+Arms are grouped by running-batch-size bucket (buckets given by inclusive upper bounds, e.g. [1, 4, 20, inf]).
+In a bucket: untried arms first (in table order); then with probability epsilon a uniformly random arm, else the
+arm with the best median reward over its last `window` rewards. Reward = accept_length * batch_size / step_time
+(tokens/s), computed by the caller (`reward()` below) and handed in as a float. Every bucket holds an "off" arm
+(plain decoding) so the policy can learn that SD does not pay at large batch.
+"""
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Sequence
+
+METHODS = ("eagle_chain", "eagle_tree", "ngram", "off")
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    method: str                # one of METHODS
+    depth: int = 0             # drafting steps (tree depth / chain length)
+    topk: int = 1              # children expanded per node (trees)
+    num_draft_tokens: int = 0  # verify budget: draft tokens sent to the target per row (root excluded)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"arm {self.name!r}: method {self.method!r} is not one of {METHODS}")
+
+
+def reward(accept_len: float, batch_size: int, step_time: float) -> float:
+    """Tokens per second of one decode step: mean accepted tokens per row incl. the bonus (1 for 'off')."""
+    return accept_len * batch_size / max(step_time, 1e-9)
+
+
+def _chain(d: int) -> Arm:
+    return Arm(f"chain{d}", "eagle_chain", depth=d, topk=1, num_draft_tokens=d)
+
+
+def _tree(d: int, k: int, n: int) -> Arm:
+    return Arm(f"tree{d}x{k}n{n}", "eagle_tree", depth=d, topk=k, num_draft_tokens=n)
+
+
+def _ngram(n: int) -> Arm:
+    return Arm(f"ngram{n}", "ngram", depth=n, num_draft_tokens=n)
+
+
+OFF = Arm("off", "off")
+
+
+def default_arm_table(device: str = "cpu") -> tuple[list[float], list[list[Arm]]]:
+    """(bucket upper bounds, arms per bucket). "gpu": fastrl's table (depth 8, topk 4; verify budget by bucket
+    bs 1 -> 48, 2-4 -> 32, 5-20 -> 16, >= 21 -> 8) plus chains, n-gram and off. "cpu": scaled for a ~135M target
+    on 2 cores, where a verify token costs a real fraction of a decode step, so budgets are about 3-6x smaller."""
+    bounds = [1, 4, 20, math.inf]
+    if device == "gpu":
+        budgets = [48, 32, 16, 8]
+        return bounds, [[OFF, _ngram(8), _chain(4), _chain(8), _tree(8, 4, n), _tree(6, 2, max(8, n // 2))]
+                        for n in budgets]
+    if device != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
+    return bounds, [
+        [OFF, _ngram(6), _chain(2), _chain(4), _chain(6), _tree(4, 2, 8), _tree(6, 4, 16)],
+        [OFF, _ngram(4), _chain(2), _chain(4), _chain(6), _tree(4, 2, 8), _tree(5, 3, 12)],
+        [OFF, _ngram(3), _chain(2), _chain(4), _tree(3, 2, 6)],
+        [OFF, _ngram(2), _chain(2), _chain(3)],
+    ]
+
+
+class StrategyBandit:
+    def __init__(self, bucket_bounds: Sequence[float] | None = None, arms: Sequence[Sequence[Arm]] | None = None,
+                 epsilon: float = 0.1, window: int = 300, seed: int = 0):
+        if bucket_bounds is None and arms is None:
+            bucket_bounds, arms = default_arm_table("cpu")
+        if bucket_bounds is None or arms is None or len(bucket_bounds) != len(arms):
+            raise ValueError("give bucket_bounds and arms together, one list of arms per bucket")
+        if list(bucket_bounds) != sorted(bucket_bounds) or bucket_bounds[-1] != math.inf:
+            raise ValueError(f"bucket_bounds must be increasing and end with inf, got {list(bucket_bounds)}")
+        for b, bucket in enumerate(arms):
+            names = [a.name for a in bucket]
+            if not bucket or len(set(names)) != len(names):
+                raise ValueError(f"bucket {b}: needs at least one arm and unique arm names, got {names}")
+        self.bounds, self.arms = list(bucket_bounds), [list(a) for a in arms]
+        self.epsilon, self.window = epsilon, window
+        self.rng = random.Random(seed)
+        self.rewards = [{a.name: deque(maxlen=window) for a in bucket} for bucket in self.arms]
+        self.counts = [Counter() for _ in self.arms]   # choices per bucket and arm
+
+    def bucket(self, batch_size: int) -> int:
+        return next(i for i, hi in enumerate(self.bounds) if batch_size <= hi)
+
+    def select(self, batch_size: int) -> Arm:
+        b = self.bucket(batch_size)
+        arms, rewards = self.arms[b], self.rewards[b]
+        untried = [a for a in arms if not rewards[a.name] and not self.counts[b][a.name]]
+        if untried:
+            arm = untried[0]
+        elif self.rng.random() < self.epsilon:
+            arm = self.rng.choice(arms)
+        else:
+            arm = max(arms, key=lambda a: self._median(b, a.name))
+        self.counts[b][arm.name] += 1
+        return arm
+
+    def update(self, batch_size: int, arm: Arm, reward_value: float) -> None:
+        """Record the reward of `arm` for a step run at `batch_size` (the size it was selected for)."""
+        self.rewards[self.bucket(batch_size)][arm.name].append(float(reward_value))
+
+    def _median(self, b: int, name: str) -> float:
+        r = self.rewards[b][name]
+        return statistics.median(r) if r else -math.inf  # chosen but never rewarded: rank last
+
+    def best(self, batch_size: int) -> Arm:
+        """The current greedy choice of the bucket (no exploration, no counting)."""
+        b = self.bucket(batch_size)
+        return max(self.arms[b], key=lambda a: self._median(b, a.name))
+
+    def bucket_name(self, b: int) -> str:
+        lo = 1 if b == 0 else int(self.bounds[b - 1]) + 1
+        hi = self.bounds[b]
+        return f"bs>={lo}" if hi == math.inf else (f"bs{lo}" if lo == hi else f"bs{lo}-{int(hi)}")
+
+    def stats(self) -> dict[str, dict[str, dict[str, float]]]:
+        """{bucket: {arm: {"count", "median_reward"}}} for logging."""
+        return {self.bucket_name(b): {a.name: {"count": self.counts[b][a.name],
+                                               "median_reward": self._median(b, a.name)} for a in arms}
+                for b, arms in enumerate(self.arms)}

@@ -1,0 +1,150 @@
+"""Model-free drafter: n-gram / suffix matching over the sequence itself, its GRPO siblings and past responses.
+
+A proposal copies what followed the latest earlier occurrence of the sequence's last n tokens (n from max_n down
+to min_n; the longest match wins), searched in three pools, in this order:
+  1. the sequence's own prompt + output (reasoning traces repeat themselves),
+  2. the sibling responses of the same group (GRPO samples G responses per prompt; they share phrasing),
+  3. earlier responses to the same prompt (previous epochs), a history keyed by `prompt_key`.
+Drafts are deterministic (no q), so they are verified with `verify_deterministic` and cost nothing to make.
+
+Cost: each sequence keeps a dict n-gram -> latest position whose token followed it. `update` indexes only the new
+positions (max_n - min_n + 1 dict writes per token); `propose` does one dict lookup per (n, pool member).
+Memory: finished responses are kept as compact token arrays (at most max_history per prompt, max_history_prompts
+prompts, least recently used dropped); their index is rebuilt once when a new group for that prompt starts.
+"""
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Hashable
+
+
+@dataclass
+class _Seq:
+    tokens: list[int]                                   # prompt + output so far
+    group_id: Hashable
+    prompt_key: Hashable
+    index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> position of its continuation
+    done: bool = False
+
+
+class NgramDrafter:
+    def __init__(self, max_n: int = 4, min_n: int = 2, num_draft_tokens: int = 4, max_history: int = 4,
+                 max_history_prompts: int = 4096):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.max_n, self.min_n, self.num_draft_tokens = max_n, min_n, num_draft_tokens
+        self.max_history, self.max_history_prompts = max_history, max_history_prompts
+        self.seqs: dict[Hashable, _Seq] = {}
+        self.groups: dict[Hashable, list[Hashable]] = {}
+        self.history: OrderedDict[Hashable, deque] = OrderedDict()  # prompt_key -> finished token arrays, newest last
+        self.group_history: dict[Hashable, list[_Seq]] = {}  # group_id -> indexed history of its prompt (read-only)
+
+    # ---- bookkeeping ----
+    def register(self, seq_id: Hashable, group_id: Hashable, prompt_key: Hashable, token_ids: list[int]) -> None:
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} is already registered")
+        seq = _Seq(list(token_ids), group_id, prompt_key)
+        self._index(seq, 1)
+        self.seqs[seq_id] = seq
+        if group_id not in self.groups:  # first member: index the prompt's earlier responses once for the group
+            self.groups[group_id] = []
+            past = [_Seq(list(toks), None, prompt_key) for toks in self.history.get(prompt_key, ())]
+            for h in past:
+                self._index(h, 1)
+            self.group_history[group_id] = past[::-1]  # newest first
+        self.groups[group_id].append(seq_id)
+
+    def update(self, seq_id: Hashable, new_tokens: list[int]) -> None:
+        seq = self._get(seq_id)
+        start = len(seq.tokens)
+        seq.tokens.extend(new_tokens)
+        self._index(seq, max(start, 1))
+
+    def finish(self, seq_id: Hashable) -> None:
+        """Move a finished sequence to the prompt's history; siblings still see it until the group ends."""
+        seq = self._get(seq_id)
+        seq.done = True
+        if self.max_history > 0:
+            hist = self.history.setdefault(seq.prompt_key, deque(maxlen=self.max_history))
+            hist.append(array("l", seq.tokens))
+            self.history.move_to_end(seq.prompt_key)
+            while len(self.history) > self.max_history_prompts:
+                self.history.popitem(last=False)
+        members = self.groups[seq.group_id]
+        if all(self.seqs[m].done for m in members):
+            for m in members:
+                del self.seqs[m]
+            del self.groups[seq.group_id], self.group_history[seq.group_id]
+
+    def _get(self, seq_id: Hashable) -> _Seq:
+        if seq_id not in self.seqs or self.seqs[seq_id].done:
+            raise KeyError(f"sequence {seq_id!r} is not running: register() it first (finished ones are history)")
+        return self.seqs[seq_id]
+
+    def _index(self, seq: _Seq, start: int) -> None:
+        """Index every n-gram that ends right before a position e >= start (so each has a continuation)."""
+        toks, index = seq.tokens, seq.index
+        for e in range(start, len(toks)):
+            for n in range(self.min_n, min(self.max_n, e) + 1):
+                index[tuple(toks[e - n:e])] = e
+
+    # ---- proposals ----
+    def _pools(self, seq: _Seq, seq_id: Hashable):
+        """(tokens, index) of each pool member in priority order: own, siblings, history (newest first)."""
+        yield seq.tokens, seq.index
+        for m in self.groups[seq.group_id]:
+            if m != seq_id:
+                yield self.seqs[m].tokens, self.seqs[m].index
+        for h in self.group_history[seq.group_id]:
+            yield h.tokens, h.index
+
+    def _matches(self, seq_id: Hashable, k: int):
+        """Continuations (up to k tokens) at the longest n with any match, in pool priority order."""
+        seq = self._get(seq_id)
+        toks = seq.tokens
+        for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
+            key = tuple(toks[-n:])
+            found = [src[e:e + k] for src, index in self._pools(seq, seq_id) if (e := index.get(key)) is not None]
+            if found:
+                return found
+        return []
+
+    def propose(self, seq_id: Hashable, k: int | None = None) -> list[int]:
+        """Up to k draft tokens (possibly none): among the longest-n matches, the first (in pool priority) that
+        gives all k tokens, else the longest."""
+        k = self.num_draft_tokens if k is None else k
+        found = self._matches(seq_id, k)
+        full = [c for c in found if len(c) == k]
+        return full[0] if full else max(found, key=len, default=[])
+
+    def propose_tree(self, seq_id: Hashable, k: int | None = None, width: int = 2,
+                     depth: int | None = None) -> tuple[list[int], list[int]]:
+        """A small draft tree: up to `width` distinct continuations (each cut to `depth`, default k // width) merged
+        into a trie of at most k draft nodes. Returns (tokens, parents) in the layout of tlt.spec.verify: node 0 is
+        the root (the sequence's last token, parent -1), children in pool priority order."""
+        k = self.num_draft_tokens if k is None else k
+        depth = max(1, k // width) if depth is None else depth
+        seq = self._get(seq_id)
+        tokens, parents = [seq.tokens[-1]], [-1]
+        child: dict[tuple[int, int], int] = {}
+        branches = 0
+        for cont in self._matches(seq_id, depth):
+            node, new_branch = 0, False
+            for t in cont:
+                if (node, t) in child:
+                    node = child[(node, t)]
+                    continue
+                if len(tokens) - 1 >= k or (not new_branch and branches >= width):
+                    break
+                if not new_branch:
+                    new_branch, branches = True, branches + 1
+                tokens.append(t)
+                parents.append(node)
+                child[(node, t)] = node = len(tokens) - 1
+        return tokens, parents
+
+    def stats(self) -> dict[str, int]:
+        return {"running": sum(not s.done for s in self.seqs.values()), "groups": len(self.groups),
+                "history_prompts": len(self.history)}

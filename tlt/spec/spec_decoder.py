@@ -1,0 +1,237 @@
+"""SpecDecoder: adaptive, lossless speculative decoding inside the engine's decode step.
+
+Per decode step, with the running rows in slots 0..B-1:
+  gate   SD runs only once the running batch has stayed <= bs_threshold for `hysteresis_steps` steps;
+  arm    the bandit picks (method, depth, topk, num_draft_tokens) for the batch-size bucket, or "off";
+  draft  EAGLE: catch the drafter cache up on the target hidden states kept since its last step (no re-prefill),
+         then grow a chain or an EAGLE-2 tree; n-gram: suffix matches over the prompt, siblings and history;
+  verify one target forward over the tree (tree attention mask), exact acceptance (tlt.spec.verify), the
+         accepted nodes' K/V moved into place, the target's logprob of every emitted token.
+Exactness does not depend on the drafter, so its weights can be replaced at any time (`load_drafter_state`).
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+from tlt.engine.kv_cache import KVCache
+from tlt.engine.sampler import transform_logits
+from tlt.engine.sequence import Sequence
+from tlt.spec.bandit import Arm, StrategyBandit
+from tlt.spec.config import SpecConfig
+from tlt.spec.drafter import Drafter
+from tlt.spec.ngram import NgramDrafter
+from tlt.spec.tree_draft import draft_tree
+from tlt.spec.verify import chain_to_tree, emitted_logprobs, node_depths, tree_attention_mask, verify_deterministic
+
+
+class SpecDecoder:
+    def __init__(self, engine, cfg: SpecConfig, drafter: Drafter | None = None, verify_fn=verify_deterministic):
+        self.engine, self.cfg = engine, cfg
+        self.verify_fn = verify_fn  # injectable so tests can show a wrong acceptance rule is caught
+        self.model = engine.model
+        self.drafter = drafter.attach(self.model).to(engine.device, engine.dtype).eval() if drafter else None
+        self.ngram = NgramDrafter(max_n=cfg.ngram_max_n, min_n=cfg.ngram_min_n)
+        bounds, arms = cfg.arm_table(has_drafter=drafter is not None, device_type=engine.device.type)
+        self.bandit = StrategyBandit(bounds, arms, epsilon=cfg.epsilon, window=cfg.window, seed=cfg.seed)
+        self.dcache = KVCache(self.model.cfg, engine.kv.num_slots, engine.dtype, engine.device, num_layers=1) \
+            if drafter else None
+        if self.dcache is not None:
+            engine.scheduler.extra_caches.append(self.dcache)
+        self.hist: dict[int, torch.Tensor] = {}   # seq_id -> [max_total_len, H] target hidden h_t per position
+        self.dcached: dict[int, int] = {}         # seq_id -> committed drafter-cache entries (positions 1..n)
+        self.low_steps = 0
+        self.drafter_version = 0
+        self.reset_stats()
+        engine.spec = self
+
+    @classmethod
+    def from_config(cls, engine, config: dict) -> "SpecDecoder":
+        cfg = SpecConfig.from_dict(config)
+        drafter = None
+        if cfg.method == "eagle":
+            from tlt.spec.drafter_io import load_drafter
+            drafter = load_drafter(cfg.model)
+        return cls(engine, cfg, drafter)
+
+    # ---- stats ----------------------------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        self.st = {"verify_steps": 0, "emitted": 0, "plain_steps": 0, "spec_on_steps": 0,
+                   "accept_by_bucket": defaultdict(lambda: [0, 0]), "accept_by_pos": defaultdict(lambda: [0, 0]),
+                   "arm_counts": defaultdict(int), "draft_time_s": 0.0, "verify_time_s": 0.0}
+
+    def stats(self) -> dict:
+        s = self.st
+        total = s["spec_on_steps"] + s["plain_steps"]
+        return {
+            "spec_accept_length": s["emitted"] / max(s["verify_steps"], 1),
+            "spec_on_fraction": s["spec_on_steps"] / max(total, 1),
+            "spec_accept_length_by_bucket": {b: e / max(n, 1) for b, (e, n) in sorted(s["accept_by_bucket"].items())},
+            "spec_accept_rate_by_position": {d: a / max(n, 1) for d, (a, n) in sorted(s["accept_by_pos"].items())},
+            "spec_arm_counts": dict(s["arm_counts"]),
+            "spec_draft_time_s": s["draft_time_s"], "spec_verify_time_s": s["verify_time_s"],
+        }
+
+    # ---- engine hooks ---------------------------------------------------------------------------------------
+    def on_add(self, seq: Sequence) -> None:
+        self.ngram.register(seq.seq_id, seq.group_id, tuple(seq.prompt_ids), seq.prompt_ids)
+
+    def on_prefill(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        if self.drafter is None:
+            return
+        for i, s in enumerate(seqs):
+            h = torch.empty(s.max_total_len + self.cfg.max_draft_len() + 1, hidden.shape[-1], dtype=hidden.dtype,
+                            device=hidden.device)
+            h[:len(s.prompt_ids)] = hidden[i, :len(s.prompt_ids)]
+            self.hist[s.seq_id], self.dcached[s.seq_id] = h, 0
+
+    def on_plain_decode(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        if self.drafter is not None:  # keep h_t so that turning SD on costs only a drafter extend
+            for i, s in enumerate(seqs):
+                self.hist[s.seq_id][s.num_cached - 1] = hidden[i]
+
+    def on_finish(self, done: list[Sequence]) -> None:
+        for s in done:
+            self.ngram.finish(s.seq_id)
+            self.hist.pop(s.seq_id, None)
+            self.dcached.pop(s.seq_id, None)
+
+    def on_tokens(self, seq: Sequence, new_tokens: list[int]) -> None:
+        self.ngram.update(seq.seq_id, new_tokens)
+
+    def wants_step(self, seqs: list[Sequence]) -> bool:
+        if self.cfg.bs_threshold is None:
+            return True
+        self.low_steps = self.low_steps + 1 if len(seqs) <= self.cfg.bs_threshold else 0
+        on = self.low_steps >= self.cfg.hysteresis_steps
+        if not on:
+            self.st["plain_steps"] += 1
+        return on
+
+    def load_drafter_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Publish new drafter weights into this engine, also mid-rollout (exactness never depends on them)."""
+        self.drafter.load_state_dict(state, strict=False)
+        self.drafter_version += 1
+        for k in self.dcached:  # the drafter cache was computed by the old weights: rebuild it on next use
+            self.dcached[k] = 0
+
+    # ---- one speculative step -------------------------------------------------------------------------------
+    def step(self, seqs: list[Sequence]) -> list[Sequence]:
+        t0 = time.perf_counter()
+        arm = self.bandit.select(len(seqs))
+        bucket = self.bandit.bucket_name(self.bandit.bucket(len(seqs)))
+        self.st["arm_counts"][f"{bucket}:{arm.name}"] += 1
+        self.st["spec_on_steps"] += 1
+        if arm.method == "off":
+            logits, hidden = self.engine.runner.decode(seqs)
+            self.on_plain_decode(seqs, hidden)
+            done = self.engine._append_sampled(seqs, logits, hidden)
+            emitted = len(seqs)
+        else:
+            done, emitted = self._speculate(seqs, arm, bucket)
+        self.bandit.update(len(seqs), arm, emitted / max(time.perf_counter() - t0, 1e-9))
+        return done
+
+    def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str) -> tuple[list[Sequence], int]:
+        eng, dev = self.engine, self.engine.device
+        t0 = time.perf_counter()
+        n = torch.tensor([s.num_cached for s in seqs], device=dev)   # position of each row's last token
+        roots = torch.tensor([s.last_token for s in seqs], device=dev)
+        if arm.method == "ngram":
+            props = [self.ngram.propose(s.seq_id, arm.num_draft_tokens) for s in seqs]
+            k = max(1, max(map(len, props)))
+            draft = torch.tensor([p + [0] * (k - len(p)) for p in props], device=dev)
+            tokens, parents, valid = chain_to_tree(roots, draft, torch.tensor([len(p) for p in props], device=dev))
+        else:
+            root_pred = self._drafter_catch_up(seqs)
+            self.dcache.ensure_capacity(int(n.max()) + arm.depth * arm.topk + 1)
+            tree = draft_tree(self.drafter, self.dcache, roots, root_pred, n, n, arm.depth, arm.topk,
+                              arm.num_draft_tokens)
+            tokens, parents = tree.tokens, tree.parents
+            valid = torch.ones_like(tokens, dtype=torch.bool)
+        t1 = time.perf_counter()
+        logits, hidden = self._verify_forward(seqs, tokens, parents, valid, n)
+        p = self._target_probs(seqs, logits)
+        result = self.verify_fn(p, tokens, parents, valid, [s.generator for s in seqs])
+        temp = torch.tensor([s.params.temperature for s in seqs], device=dev)
+        lps = emitted_logprobs(logits, temp, result)
+        self._commit(seqs, result.paths, hidden, n)
+        kept = [hidden[i, path] for i, path in enumerate(result.paths)]
+        done = eng.append_tokens(seqs, result.emitted_ids, lps, kept)
+        self._record(bucket, result, seqs, arm)
+        self.st["draft_time_s"] += t1 - t0
+        self.st["verify_time_s"] += time.perf_counter() - t1
+        return done, sum(len(e) for e in result.emitted_ids)
+
+    def _drafter_catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Extend the drafter cache with (h_{t-1}, x_t) for every position t not in it yet, through each row's
+        last token n; return the drafter's predicted hidden state at n [B, H] (the tree root's)."""
+        dev = self.engine.device
+        starts = [self.dcached[s.seq_id] + 1 for s in seqs]     # first missing position per row
+        ends = [s.num_cached for s in seqs]                      # last token's position n
+        T = max(e - st + 1 for st, e in zip(starts, ends))
+        H = self.model.cfg.hidden_size
+        hid = torch.zeros(len(seqs), T, H, dtype=self.engine.dtype, device=dev)
+        ids = torch.zeros(len(seqs), T, dtype=torch.long, device=dev)
+        pos = torch.zeros(len(seqs), T, dtype=torch.long, device=dev)
+        for i, (s, st, e) in enumerate(zip(seqs, starts, ends)):
+            c = e - st + 1
+            all_ids = s.all_ids()
+            hid[i, :c] = self.hist[s.seq_id][st - 1:e]
+            ids[i, :c] = torch.tensor(all_ids[st:e + 1], device=dev)
+            pos[i, :c] = torch.arange(st, e + 1, device=dev)
+        self.dcache.ensure_capacity(max(ends) + 1)
+        lens = torch.tensor([st - 1 for st in starts], device=dev)
+        with torch.inference_mode():
+            out = self.drafter(hid, ids, pos, self.dcache.view(lens))
+        for s, e in zip(seqs, ends):
+            self.dcached[s.seq_id] = e
+        last = torch.tensor([e - st for st, e in zip(starts, ends)], device=dev)
+        return out[torch.arange(len(seqs), device=dev), last]
+
+    @torch.inference_mode()
+    def _verify_forward(self, seqs, tokens, parents, valid, n):
+        kv = self.engine.kv
+        kv.ensure_capacity(int(n.max()) + tokens.shape[1] + 1)
+        positions = n[:, None] + node_depths(parents)
+        view = kv.view(n.clone(), tree_mask=tree_attention_mask(parents, valid))
+        hidden = self.model(tokens, positions, view)                 # [B, N + 1, H]
+        return self.model.logits(hidden), hidden
+
+    def _target_probs(self, seqs, logits: torch.Tensor) -> torch.Tensor:
+        B, N, V = logits.shape
+        dev = logits.device
+        rep = lambda xs: torch.tensor(xs, device=dev).repeat_interleave(N)  # noqa: E731  per node
+        p = transform_logits(logits.view(B * N, V), rep([s.params.temperature for s in seqs]),
+                             rep([s.params.top_k for s in seqs]), rep([s.params.top_p for s in seqs]))
+        return p.view(B, N, V)
+
+    def _commit(self, seqs, paths, hidden, n) -> None:
+        """Move accepted nodes' K/V to consecutive positions after the root; keep their hidden states."""
+        kv = self.engine.kv
+        rows, src, dst = [], [], []
+        for i, path in enumerate(paths):
+            for j, node in enumerate(path):
+                if node != j:
+                    rows.append(i); src.append(int(n[i]) + node); dst.append(int(n[i]) + j)
+        if rows:
+            r, s_, d_ = (torch.tensor(x, device=n.device) for x in (rows, src, dst))
+            for t in kv.k + kv.v:
+                t[r, :, d_] = t[r, :, s_]
+        for i, (s, path) in enumerate(zip(seqs, paths)):
+            if self.drafter is not None:
+                self.hist[s.seq_id][s.num_cached:s.num_cached + len(path)] = hidden[i, path]
+            s.num_cached += len(path)
+
+    def _record(self, bucket, result, seqs, arm: Arm) -> None:
+        st = self.st
+        st["verify_steps"] += len(seqs)
+        for path in result.paths:
+            st["emitted"] += len(path)
+            b = st["accept_by_bucket"][bucket]
+            b[0] += len(path); b[1] += 1
+            for d in range(1, arm.depth + 1):
+                a = st["accept_by_pos"][d]
+                a[0] += int(len(path) - 1 >= d); a[1] += 1

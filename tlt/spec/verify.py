@@ -1,0 +1,269 @@
+"""Exact (lossless) verification of a batch of draft trees (design doc section 7).
+
+Letters: p = TARGET probability (transform_logits of the target's logits: the very distribution plain sampling
+draws from), q = DRAFT probability (the distribution a stochastic draft token was actually drawn from).
+
+Tree layout, per row b (a chain is a tree whose nodes have one child each):
+  nodes 0..N-1 in topological order (parent index < node index); node 0 is the root = the last accepted token
+                        (fed to the verify forward with the drafts; its KV is not yet cached).
+  tokens  [B, N] long   token id of each node (the root's is the last accepted token)
+  parents [B, N] long   parent node index, -1 for the root
+  valid   [B, N] bool   rows may hold fewer nodes; invalid nodes are never visited
+  p       [B, N, V]     target distribution of the token AFTER node n (given the path root..n)
+  q       [B, N, V]     (stochastic mode) the distribution node n's children were drawn from, in the TARGET
+                        vocabulary (scatter a reduced draft vocabulary back with d2t; zero elsewhere)
+Children of a node are tried in node-index order.
+
+Deterministic drafts (argmax / top-k children; no q needed): at the current node draw u ~ U(0,1) and walk the
+children with the running sum S of p(child); accept the first child with u < S and descend; if none is accepted,
+draw from p with the children's mass removed, renormalised; a node without children (full depth) draws the bonus
+token from p. This is inverse-CDF sampling of p with the children's tokens placed first, so each emitted token is
+an exact draw from p. The residual draw reuses u: given rejection, (u - S_all) / (1 - S_all) is again uniform.
+A repeated sibling token adds no mass (its twin already owns that slice of [0, 1)). One-hot (greedy) rows reduce
+to argmax matching, so greedy SD output equals plain greedy decoding.
+
+Stochastic drafts: Leviathan/Chen: accept child x with probability min(1, p(x)/q(x)) (tested as u * q(x) < p(x),
+so q(x) = 0 never divides), else continue with the residual norm(max(0, p - q)). With several children per node
+(siblings drawn i.i.d. WITH replacement from the same q) this is SpecInfer's recursive rejection sampling: each
+next sibling is tested against the residual left by the previous rejection; after the last rejection we draw from
+the final residual. Exact only if q is the distribution the drafts were really drawn from, and siblings i.i.d.
+
+Uniform draws come from per-row sources (a seeded request alone decides its tokens): pass a list of
+torch.Generator (None = global RNG) or a function rows [R] -> u [R] in [0, 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from tlt.engine.sampler import target_logprobs
+
+UniformFn = Callable[[torch.Tensor], torch.Tensor]  # row indices [R] long -> u [R] float in [0, 1)
+
+
+@dataclass
+class VerifyResult:
+    paths: list[list[int]]        # per row: root (0) then the accepted nodes; emitted_ids[b][j] ~ p[b, paths[b][j]]
+    emitted_ids: list[list[int]]  # per row: accepted draft tokens, then one corrected or bonus token
+
+    @property
+    def num_accepted(self) -> list[int]:
+        """Accepted draft tokens per row (accept length incl. bonus = num_accepted + 1)."""
+        return [len(path) - 1 for path in self.paths]
+
+    def accepted_nodes(self, row: int) -> list[int]:
+        """Node indices whose KV entries the caller keeps (the root's is always kept)."""
+        return self.paths[row][1:]
+
+
+def uniforms_from(generators: Sequence[torch.Generator | None]) -> UniformFn:
+    """Per-row generators -> UniformFn. Row r draws from generators[r] (None: torch's global generator)."""
+    def draw(rows: torch.Tensor) -> torch.Tensor:
+        gens = [generators[r] for r in rows.tolist()]
+        return torch.cat([torch.rand(1, generator=g, device="cpu" if g is None else g.device).cpu() for g in gens])
+    return draw
+
+
+def _as_uniform_fn(rng: UniformFn | Sequence[torch.Generator | None] | None, batch: int) -> UniformFn:
+    if rng is None:
+        return lambda rows: torch.rand(len(rows))
+    if callable(rng):
+        return rng
+    if len(rng) != batch:
+        raise ValueError(f"got {len(rng)} generators for {batch} rows: pass one generator (or None) per row")
+    return uniforms_from(rng)
+
+
+def children_table(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """parents, valid [B, N] -> children [B, N, C] (node ids in index order, -1 padded; C >= 1)."""
+    B, N = parents.shape
+    idx = torch.arange(N, device=parents.device)
+    is_child = valid & (parents >= 0)
+    # rank of a node among its siblings = number of earlier valid nodes with the same parent
+    same = (parents[:, :, None] == parents[:, None, :]) & is_child[:, None, :] & (idx[None, :] < idx[:, None])
+    rank = same.sum(-1)
+    C = max(1, int(rank[is_child].max()) + 1) if bool(is_child.any()) else 1
+    table = torch.full((B, N * C + 1), -1, dtype=torch.long, device=parents.device)
+    flat = torch.where(is_child, parents.clamp(min=0) * C + rank, N * C)  # non-children go to a spill slot
+    table.scatter_(1, flat, torch.where(is_child, idx.expand(B, N), -1))
+    return table[:, :N * C].view(B, N, C)
+
+
+def _inverse_cdf(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Index i with cdf[i-1] <= x < cdf[i] over unnormalised weights [R, V]; never a zero-weight index."""
+    cdf = weights.cumsum(-1)
+    idx = torch.searchsorted(cdf, x[:, None].to(cdf.dtype), right=True)[:, 0]
+    over = idx >= weights.shape[-1]
+    if bool(over.any()):  # x reached the total by rounding: take the last token with positive weight
+        last = weights.shape[-1] - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(-1)
+        idx = torch.where(over, last, idx)
+    return idx
+
+
+def _setup(p, tokens, parents, valid):
+    B, N, _ = p.shape
+    if tokens.shape != (B, N) or parents.shape != (B, N):
+        raise ValueError(f"tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} must be [B, N] = {(B, N)}")
+    if valid is None:
+        valid = torch.ones(B, N, dtype=torch.bool, device=p.device)
+    return valid, children_table(parents, valid)
+
+
+def _finish(out_tok: torch.Tensor, out_node: torch.Tensor, n_out: torch.Tensor) -> VerifyResult:
+    toks, nodes, lens = out_tok.tolist(), out_node.tolist(), n_out.tolist()
+    return VerifyResult(paths=[nd[:n] for nd, n in zip(nodes, lens)], emitted_ids=[t[:n] for t, n in zip(toks, lens)])
+
+
+def verify_deterministic(p: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                         valid: torch.Tensor | None = None,
+                         rng: UniformFn | Sequence[torch.Generator | None] | None = None) -> VerifyResult:
+    """Verify deterministic draft trees against target probs p [B, N, V] (see module docstring)."""
+    B, N, V = p.shape
+    valid, kids = _setup(p, tokens, parents, valid)
+    draw = _as_uniform_fn(rng, B)
+    out_tok = torch.full((B, N), -1, dtype=torch.long, device=p.device)
+    out_node = torch.zeros(B, N, dtype=torch.long, device=p.device)  # emitted token j was drawn at node out_node[:, j]
+    n_out = torch.zeros(B, dtype=torch.long, device=p.device)
+    cur = torch.zeros(B, dtype=torch.long, device=p.device)
+    rows = torch.arange(B, device=p.device)
+    for step in range(N):
+        if rows.numel() == 0:
+            break
+        pn = p[rows, cur[rows]].float()                               # [R, V]
+        ch = kids[rows, cur[rows]]                                    # [R, C]
+        has = ch >= 0
+        ch_tok = tokens[rows[:, None], ch.clamp(min=0)]               # [R, C]
+        earlier_twin = ((ch_tok[:, :, None] == ch_tok[:, None, :]) & has[:, None, :]).tril(-1).any(-1)
+        mass = torch.where(has & ~earlier_twin, pn.gather(1, ch_tok), 0.0)
+        S = mass.cumsum(-1)                                           # running sum over children
+        u = draw(rows).to(p.device) * pn.sum(-1)                      # scale by the total: p need not sum to 1 exactly
+        hit = u[:, None] < S
+        accepted = hit[:, -1]
+        slot = hit.to(torch.int8).argmax(-1)                          # first child with u < S
+        child = ch.gather(1, slot[:, None])[:, 0]
+        tok = ch_tok.gather(1, slot[:, None])[:, 0]
+        rej = (~accepted).nonzero()[:, 0]
+        if rej.numel():  # residual: p with every child's mass removed (full-vocab work only for these rows)
+            residual = pn if rej.numel() == len(rows) else pn[rej]  # pn is a private copy: edit in place
+            r_has, r_tok = has[rej], ch_tok[rej]
+            # Padding slots point at the first child's token (zeroed anyway); in a leaf row every slot is padding
+            # and writes the token's own value back, so one conflict-free scatter serves all rows.
+            idx = torch.where(r_has, r_tok, r_tok[:, :1])
+            src = torch.where(r_has.any(-1, keepdim=True), 0.0, residual.gather(1, idx))
+            residual.scatter_(1, idx, src)
+            tok[rej] = _inverse_cdf(residual, (u[rej] - S[rej, -1]).clamp(min=0))
+        out_tok[rows, step] = tok
+        out_node[rows, step] = cur[rows]
+        n_out[rows] = step + 1
+        cur[rows] = torch.where(accepted, child, cur[rows])
+        rows = rows[accepted]
+    return _finish(out_tok, out_node, n_out)
+
+
+def verify_stochastic(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                      valid: torch.Tensor | None = None,
+                      rng: UniformFn | Sequence[torch.Generator | None] | None = None) -> VerifyResult:
+    """Verify drafts sampled from q [B, N, V] (chains, or trees with i.i.d. siblings) against p [B, N, V]."""
+    B, N, V = p.shape
+    if q.shape != p.shape:
+        raise ValueError(f"q {tuple(q.shape)} must match p {tuple(p.shape)}: scatter a reduced draft vocabulary "
+                         f"into the target vocabulary first")
+    valid, kids = _setup(p, tokens, parents, valid)
+    draw = _as_uniform_fn(rng, B)
+    out_tok = torch.full((B, N), -1, dtype=torch.long, device=p.device)
+    out_node = torch.zeros(B, N, dtype=torch.long, device=p.device)
+    n_out = torch.zeros(B, dtype=torch.long, device=p.device)
+    cur = torch.zeros(B, dtype=torch.long, device=p.device)
+    rows = torch.arange(B, device=p.device)
+    for step in range(N):
+        if rows.numel() == 0:
+            break
+        node = cur[rows]
+        target = p[rows, node].float()                                # [R, V] residual target, updated on rejection
+        qn = q[rows, node].float()
+        ch = kids[rows, node]
+        decided = torch.zeros(len(rows), dtype=torch.bool, device=p.device)
+        child = torch.full_like(node, -1)
+        for j in range(ch.shape[1]):
+            test = ~decided & (ch[:, j] >= 0)
+            if not bool(test.any()):
+                continue
+            r = test.nonzero()[:, 0]
+            x = tokens[rows[r], ch[r, j]]
+            ok = draw(rows[r]).to(p.device) * qn[r, x] < target[r, x]   # P = min(1, p(x) / q(x))
+            acc, rej = r[ok], r[~ok]
+            decided[acc], child[acc] = True, ch[acc, j]
+            if rej.numel():
+                res = (target[rej] - qn[rej]).clamp(min=0)
+                tot = res.sum(-1, keepdim=True)
+                # tot == 0 needs p == q, where rejection has probability 0: keep the target then (rounding only).
+                target[rej] = torch.where(tot > 0, res / tot.clamp(min=1e-30), target[rej])
+        undecided = ~decided
+        final = torch.full_like(node, -1)
+        if bool(undecided.any()):
+            r = undecided.nonzero()[:, 0]
+            final[r] = _inverse_cdf(target[r], draw(rows[r]).to(p.device) * target[r].sum(-1))
+        accepted_tok = tokens[rows, child.clamp(min=0)]
+        out_tok[rows, step] = torch.where(decided, accepted_tok, final)
+        out_node[rows, step] = node
+        n_out[rows] = step + 1
+        cur[rows] = torch.where(decided, child, node)
+        rows = rows[decided]
+    return _finish(out_tok, out_node, n_out)
+
+
+def emitted_logprobs(logits: torch.Tensor, temperature: torch.Tensor, result: VerifyResult) -> list[list[float]]:
+    """Target log-prob of every emitted token (logits [B, N, V] fp32 from the verify forward, temperature [B]),
+    under softmax(logits / T) before top-k/top-p, the same quantity plain decoding returns."""
+    rows = [b for b, path in enumerate(result.paths) for _ in path]
+    nodes = [n for path in result.paths for n in path]
+    ids = [t for toks in result.emitted_ids for t in toks]
+    if not ids:
+        return [[] for _ in result.paths]
+    dev = logits.device
+    r, n = torch.tensor(rows, device=dev), torch.tensor(nodes, device=dev)
+    lp = target_logprobs(logits[r, n].float(), temperature.to(dev)[r], torch.tensor(ids, device=dev)).tolist()
+    out, i = [], 0
+    for path in result.paths:
+        out.append(lp[i:i + len(path)])
+        i += len(path)
+    return out
+
+
+def chain_to_tree(root_ids: torch.Tensor, draft_ids: torch.Tensor,
+                  num_draft: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """root_ids [B], draft_ids [B, k] (row b uses its first num_draft[b]) -> tokens, parents, valid [B, k + 1]."""
+    B, k = draft_ids.shape
+    tokens = torch.cat([root_ids[:, None], draft_ids], dim=1)
+    parents = torch.arange(-1, k, device=draft_ids.device).expand(B, k + 1).clone()
+    if num_draft is None:
+        valid = torch.ones(B, k + 1, dtype=torch.bool, device=draft_ids.device)
+    else:
+        valid = torch.arange(k + 1, device=draft_ids.device)[None, :] <= num_draft[:, None]
+    return tokens, parents, valid
+
+
+def tree_attention_mask(parents: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, N] -> [B, N, N] bool, True where node n may attend to node m (m is n or an ancestor of n): the
+    CacheView.tree_mask of the verify forward. Invalid nodes attend only to themselves."""
+    B, N = parents.shape
+    eye = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, N, N)
+    mask = eye.clone()
+    ok = parents >= 0 if valid is None else (parents >= 0) & valid
+    rows = torch.arange(B, device=parents.device)
+    for n in range(1, N):  # parents come first, so their rows are final when node n copies them
+        anc = mask[rows, parents[:, n].clamp(min=0)] | eye[:, n]
+        mask[:, n] = torch.where(ok[:, n, None], anc, eye[:, n])
+    return mask
+
+
+def node_depths(parents: torch.Tensor) -> torch.Tensor:
+    """[B, N] -> depth [B, N] (root 0): add to the root's position to get each node's position id."""
+    B, N = parents.shape
+    depth = torch.zeros(B, N, dtype=torch.long, device=parents.device)
+    rows = torch.arange(B, device=parents.device)
+    for n in range(1, N):
+        depth[:, n] = torch.where(parents[:, n] >= 0, depth[rows, parents[:, n].clamp(min=0)] + 1, 0)
+    return depth
