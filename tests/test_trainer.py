@@ -1,0 +1,255 @@
+"""GRPO trainer end to end on a tiny random Llama: parameters change, checkpoints load in transformers, resume is
+exact, metrics are complete, failing rewards are counted, bad config fails fast, and 2-process data parallel
+keeps the ranks identical.
+
+    pytest tests/test_trainer.py -q
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tlt.config import load_config
+from tlt.rl.actor import micro_batches, split_groups
+from tlt.rl.evaluate import pass_at_k
+from tlt.rl.tiny_model import build_tiny_model
+from tlt.rl.trainer import DrafterHook, GRPOTrainer, main
+
+VARIED_REWARD = """
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    return (sum(map(ord, solution_str)) % 7) / 6  # arbitrary but varied: groups get nonzero advantages
+"""
+FAILING_REWARD = """
+import time
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    kind = len(solution_str) % 3
+    if kind == 0:
+        raise ValueError("boom")
+    if kind == 1:
+        time.sleep(3)
+    return 1.0
+"""
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared CPU: one thread is much faster than oversubscribed OpenMP."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_policy"))
+
+
+def write_data(path, n: int) -> str:
+    rows = [{"prompt": f"What is {i % 10} + {(3 * i) % 10}?", "answer": str(i % 10 + (3 * i) % 10)} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def make_overrides(tmp_path, tiny_dir, reward: str = VARIED_REWARD, **extra) -> list[str]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "reward.py").write_text(reward)
+    base = {
+        "model.path": tiny_dir, "model.device": "cpu",
+        "data.train_files": write_data(tmp_path / "train.jsonl", 16),
+        "data.val_files": write_data(tmp_path / "val.jsonl", 3),
+        "data.max_prompt_length": 64, "data.max_response_length": 16, "data.train_batch_size": 2,
+        "rollout.n": 4, "actor.lr": 1e-3, "reward.custom_function": f"{tmp_path / 'reward.py'}:score",
+        "speculative.enabled": False, "trainer.total_steps": 2, "trainer.save_freq": -1, "trainer.test_freq": -1,
+        "trainer.default_local_dir": str(tmp_path / "runs"), "trainer.logger": "[jsonl]", "trainer.resume": "disable",
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def run(tmp_path, tiny_dir, hook: DrafterHook | None = None, **extra) -> GRPOTrainer:
+    cfg = load_config(None, make_overrides(tmp_path, tiny_dir, **extra))
+    trainer = GRPOTrainer(cfg, drafter_hook=hook)
+    trainer.fit()
+    return trainer
+
+
+def read_metrics(trainer: GRPOTrainer) -> list[dict]:
+    return [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_steps_change_params_and_checkpoint_loads_in_transformers(tmp_path, tiny_dir):
+    from tlt.models.loader import load_model
+    initial = load_model(tiny_dir).state_dict()
+    trainer = run(tmp_path, tiny_dir)
+    final = trainer.model.state_dict()
+    assert all(torch.isfinite(v).all() for v in final.values()), "NaN/inf in parameters"
+    changed = [k for k in initial if not torch.equal(initial[k], final[k])]
+    assert len(changed) >= len(initial) // 2, f"only {changed} changed"
+
+    ckpt = trainer.run_dir / "global_step_2"
+    assert (trainer.run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert not [p for p in trainer.run_dir.iterdir() if p.name.startswith(".")], "temp dirs left behind"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt)).eval()
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    ids = torch.tensor([tok("What is 1 + 2?")["input_ids"]])
+    with torch.no_grad():
+        ours = trainer.model.logits(trainer.model(ids))
+        theirs = hf(ids).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+class CountingHook(DrafterHook):
+    """Counts calls (state saved in checkpoints); crashes at `crash_at` to simulate a preempted run."""
+
+    def __init__(self, crash_at: int | None = None):
+        self.calls, self.crash_at = 0, crash_at
+
+    def after_rollout(self, step, rollout, outputs):
+        if step == self.crash_at:
+            raise RuntimeError("simulated preemption")
+        self.calls += 1
+        assert len(rollout) == len(outputs) * 4 and all(len(o.outputs) == 4 for o in outputs)
+        return {"drafter/calls": float(self.calls)}
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state):
+        self.calls = state["calls"]
+
+
+def test_resume_is_exact(tmp_path, tiny_dir):
+    """2 steps + checkpoint + crash, then resume=auto and 2 more steps == 4 straight steps."""
+    opts = {"actor.use_kl_loss": True, "actor.ppo_mini_batch_size": 1, "actor.ppo_max_token_len": 64,
+            "actor.lr_scheduler": "cosine", "actor.warmup_steps": 1, "trainer.total_steps": 4}
+    straight = run(tmp_path / "a", tiny_dir, **opts)
+    with pytest.raises(RuntimeError, match="simulated preemption"):
+        run(tmp_path / "b", tiny_dir, hook=CountingHook(crash_at=3), **opts, **{"trainer.save_freq": 2})
+    hook = CountingHook()
+    resumed = GRPOTrainer(load_config(None, make_overrides(tmp_path / "b", tiny_dir, **opts,
+                                                           **{"trainer.resume": "auto"})), drafter_hook=hook)
+    assert resumed.start_step == 2 and hook.calls == 2
+    resumed.fit()
+    assert hook.calls == 4
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=f"{k} differs after resume")
+    steps = [m["step"] for m in read_metrics(resumed)]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_metrics_have_verl_names(tmp_path, tiny_dir):
+    trainer = run(tmp_path, tiny_dir, **{"actor.use_kl_loss": True, "trainer.test_freq": 1,
+                                         "rollout.recompute_logprobs": True, "actor.bf16_autocast": False,
+                                         "trainer.logger": "[jsonl, tensorboard]"})
+    lines = read_metrics(trainer)
+    assert [m["step"] for m in lines] == [1, 2]
+    expected = {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/lr",
+                "critic/score/mean", "critic/score/max", "critic/score/min", "critic/advantages/mean",
+                "response_length/mean", "response_length/max", "response_length/min", "response_length/p50",
+                "response_length/p90", "response_length/clip_ratio", "prompt_length/mean", "timing_s/gen",
+                "timing_s/reward", "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/step",
+                "timing_s/save", "timing_s/testing", "throughput/tokens_per_s", "rollout/num_generated_tokens",
+                "rollout/logprob_max_diff", "data/num_filtered_prompts", "val/accuracy", "reward/num_errors"}
+    missing = expected - set(lines[-1])
+    assert not missing, f"missing metrics: {sorted(missing)}"
+    # fp32 engine and fp32 trainer forward on the same weights: the engine's log-probs are the old policy's
+    assert lines[0]["rollout/logprob_max_diff"] < 1e-4
+    assert any(p.name.startswith("events") for p in (trainer.run_dir / "tensorboard").iterdir())
+
+
+def test_failing_and_hanging_rewards_are_counted_and_run_goes_on(tmp_path, tiny_dir):
+    trainer = run(tmp_path, tiny_dir, reward=FAILING_REWARD, **{"reward.timeout_s": 0.2})
+    lines = read_metrics(trainer)
+    assert len(lines) == 2
+    errors = sum(m["reward/num_errors"] for m in lines)
+    timeouts = sum(m["reward/num_timeouts"] for m in lines)
+    assert errors > 0 and lines[-1]["reward/total_errors"] == errors
+    assert 0 <= timeouts <= errors
+    assert all(m["critic/score/min"] == 0.0 for m in lines if m["reward/num_errors"])  # failures score 0
+
+
+def test_speculative_rollouts_log_spec_metrics(tmp_path, tiny_dir):
+    trainer = run(tmp_path, tiny_dir, **{"speculative.enabled": True, "speculative.method": "ngram",
+                                         "speculative.bs_threshold": 64, "speculative.hysteresis_steps": 1,
+                                         "trainer.total_steps": 1})
+    metrics = read_metrics(trainer)[0]
+    assert metrics["rollout/num_spec_steps"] > 0 and metrics["rollout/spec_accept_length"] >= 1.0
+
+
+def test_eval_command_reports_mean_and_pass_at_k(tmp_path, tiny_dir, capsys):
+    from tlt.rl.evaluate import main as eval_main
+    trainer = run(tmp_path, tiny_dir, **{"trainer.total_steps": 1})
+    val = str(tmp_path / "val.jsonl")
+    assert eval_main([str(trainer.run_dir / "global_step_1"), f"data.val_files={val}", "rollout.n=2"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["num_prompts"] == 3 and result["n"] == 2 and set(result["pass_at_k"]) == {"1", "2"}
+    assert 0 <= result["accuracy"] <= 1 and result["response_length_max"] <= 16
+
+
+def test_dynamic_sampling_drops_flat_groups_and_skips_an_empty_update(tmp_path, tiny_dir):
+    from tlt.models.loader import load_model
+    constant = "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+    trainer = run(tmp_path, tiny_dir, reward=constant, **{"rollout.dynamic_sampling": True,
+                                                           "rollout.overlong_filter": True, "trainer.total_steps": 1})
+    m = read_metrics(trainer)[0]
+    assert m["data/num_gen_batches"] == 4 and m["data/num_dropped_groups"] == 8  # 4 rounds x 2 prompts, all flat
+    assert m["actor/num_skipped_steps"] == 1  # nothing left to train on: no optimiser step at all
+    initial = load_model(tiny_dir).state_dict()
+    assert all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in initial.items())
+
+
+def test_bad_config_key_fails_fast(capsys):
+    assert main(["trainer.totl_steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'totl_steps'" in err and "total_steps" in err
+
+
+def test_micro_batches_respect_token_budget_and_groups_split():
+    assert micro_batches([10, 10, 30, 5], 40) == [[0, 1], [2], [3]]
+    assert micro_batches([100], 10) == [[0]]  # one row always fits
+    assert split_groups([7, 7, 8, 8, 9, 9], 3) == [[0, 1], [2, 3], [4, 5]]
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25) and pass_at_k(4, 1, 4) == 1.0 and pass_at_k(4, 0, 2) == 0.0
+
+
+# ---------------------------------------------------------------- data parallel
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world: int, port: int, overrides: list[str], out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    trainer = GRPOTrainer(load_config(None, overrides))
+    trainer.fit()
+    torch.save(trainer.model.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_two_process_data_parallel_keeps_ranks_identical(tmp_path, tiny_dir):
+    overrides = make_overrides(tmp_path, tiny_dir, **{"trainer.total_steps": 1, "actor.bf16_autocast": False})
+    mp.spawn(_ddp_worker, args=(2, _free_port(), overrides, str(tmp_path)), nprocs=2, join=True)
+    r0 = torch.load(tmp_path / "rank0.pt")
+    r1 = torch.load(tmp_path / "rank1.pt")
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), f"{k} differs between ranks"
+    # summed gradients with global normalisation: the same update as one process on the whole batch
+    single = run(tmp_path / "single", tiny_dir, **{"trainer.total_steps": 1, "actor.bf16_autocast": False})
+    lines = read_metrics(single)
+    assert lines[0]["critic/score/mean"] == pytest.approx(
+        json.loads((tmp_path / "runs/tlt/default/metrics.jsonl").read_text().splitlines()[0])["critic/score/mean"])
+    moved = [k for k in r0 if not torch.equal(r0[k], single.model.state_dict()[k])]
+    for k in moved:
+        torch.testing.assert_close(r0[k], single.model.state_dict()[k], atol=2e-5, rtol=0)

@@ -1,0 +1,46 @@
+"""Shared benchmark helpers: prompts from the default task, timing, the table and the final JSON line."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Callable
+
+
+def default_task_prompt_ids(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    """Chat-templated prompts of the embedded default task (what rollouts see)."""
+    from tlt.tasks.default_task import make_examples
+    rows = list(make_examples("train", n, seed))
+    out = []
+    for r in rows:
+        text = tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> tuple[float, float, float, object]:
+    """(median, min, max) seconds over `repeats` runs after one untimed warm-up, plus the last result."""
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times), max(times), result
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.rjust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    return "-" if v is None else str(v)
+
+
+def print_json_line(name: str, payload: dict) -> None:
+    print(json.dumps({"benchmark": name, **payload}))

@@ -1,0 +1,113 @@
+"""Speculative-decoding benchmark: SD vs our plain decoding per strategy and batch size, temperature 1.
+
+    tlt bench spec [--drafter DIR] [--batch-sizes 1,2,4,8,16,32] [--max-tokens 128] [--repeats 3] [--quick]
+
+Strategies: each fixed arm (EAGLE chain, EAGLE tree, n-gram) and the adaptive policy (bandit over the arm table,
+SD gated by batch size). Prompts are the default task's chat prompts; every configuration samples with the same
+seeds. Also, at batch size 1, transformers' assisted generation (a 4-layer truncation of the target as the
+assistant: SmolLM2-135M is the smallest of its family) and prompt-lookup decoding, against transformers' plain
+`generate`. Prints a table and a final JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import tlt
+from tlt.bench.common import default_task_prompt_ids, median_time, print_json_line, print_table
+from tlt.device import resolve_dtype
+
+
+def strategies(drafter: str | None, depth: int) -> dict[str, dict | None]:
+    s: dict[str, dict | None] = {"plain": None,
+                                 "ngram": dict(method="ngram", bs_threshold=None, adaptive=False,
+                                               num_speculative_tokens=depth)}
+    if drafter:
+        s["eagle_chain"] = dict(method="eagle", model=drafter, bs_threshold=None, adaptive=False,
+                                num_speculative_tokens=depth)
+        s["eagle_tree"] = dict(method="eagle", model=drafter, bs_threshold=None, adaptive=False,
+                               num_speculative_tokens=depth, draft_topk=2, num_draft_tokens=2 * depth)
+        s["adaptive"] = dict(method="eagle", model=drafter)
+    return s
+
+
+def run_ours(model, tok, prompts, bs, spec, max_tokens, repeats, seed):
+    params = tlt.SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+    llm = tlt.LLM(model, tokenizer=tok, max_num_seqs=max(bs, 1), speculative_config=spec)
+    batch = prompts[:bs]
+
+    def go():
+        if llm.spec is not None:
+            llm.spec.reset_stats()
+        return llm.generate(batch, params)
+    med, lo, hi, outs = median_time(go, repeats)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    stats = llm.stats()
+    return {"tok_s": tokens / med, "time_s": med, "spread": f"{lo:.2f}-{hi:.2f}",
+            "accept_len": stats.get("spec_accept_length"), "sd_on": stats.get("spec_on_fraction")}
+
+
+def run_hf_assisted(model_dir, prompt, max_tokens, repeats, dtype):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, num_hidden_layers=4).eval()
+    ids = torch.tensor([prompt])
+    kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=True, temperature=1.0, top_k=0)
+    out = {}
+    with torch.inference_mode():
+        for name, extra in (("hf_plain", {}), ("hf_assisted_4layer", {"assistant_model": assistant}),
+                            ("hf_prompt_lookup", {"prompt_lookup_num_tokens": 4})):
+            med, lo, hi, _ = median_time(lambda: hf.generate(ids, **kw, **extra), repeats)
+            out[name] = {"tok_s": max_tokens / med, "time_s": med, "spread": f"{lo:.2f}-{hi:.2f}"}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tlt bench spec", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--drafter", default=None, help="drafter dir (default: the default model's cached drafter)")
+    ap.add_argument("--no-drafter", action="store_true", help="n-gram only")
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.batch_sizes, a.max_tokens, a.repeats, a.skip_hf = "1,2", 16, 1, True
+    from tlt.models import load_model, load_tokenizer
+    from tlt.models.smollm import default_model_path
+    model_dir = a.model or str(default_model_path())
+    dtype = resolve_dtype(a.dtype)
+    model, tok = load_model(model_dir, dtype=dtype), load_tokenizer(model_dir)
+    drafter = None
+    if not a.no_drafter:
+        if a.drafter:
+            drafter = a.drafter
+        else:
+            from tlt.drafter_train.offline import default_drafter_path
+            drafter = str(default_drafter_path(model_dir))
+    sizes = [int(x) for x in a.batch_sizes.split(",")]
+    prompts = default_task_prompt_ids(tok, max(sizes), seed=a.seed + 1000)
+    rows, results = [], {}
+    for bs in sizes:
+        base = None
+        for name, spec in strategies(drafter, a.depth).items():
+            r = run_ours(model, tok, prompts, bs, spec, a.max_tokens, a.repeats, a.seed)
+            base = base or r["tok_s"]
+            r.update(strategy=name, bs=bs, speedup=r["tok_s"] / base)
+            rows.append(r)
+            results[f"bs{bs}/{name}"] = {k: r[k] for k in ("tok_s", "speedup", "accept_len", "sd_on")}
+    print(f"model={model_dir} dtype={dtype} max_tokens={a.max_tokens} temperature=1.0 repeats={a.repeats} (median)")
+    print_table(rows, ["bs", "strategy", "tok_s", "speedup", "accept_len", "sd_on", "spread"])
+    if not a.skip_hf:
+        hf = run_hf_assisted(model_dir, prompts[0], a.max_tokens, a.repeats, dtype)
+        print("\ntransformers at bs 1 (same prompt, temperature 1):")
+        print_table([{"strategy": k, **v} for k, v in hf.items()], ["strategy", "tok_s", "spread"])
+        results.update({f"bs1/{k}": v["tok_s"] for k, v in hf.items()})
+    print_json_line("spec", {"model": model_dir, "dtype": str(dtype), "max_tokens": a.max_tokens, "results": results})
+    return 0

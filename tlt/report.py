@@ -1,0 +1,142 @@
+"""Run report: PNG plots and report.html from a run directory's metrics.jsonl (and optional extras).
+
+    python -m tlt.report runs/tlt/default    # or called by `tlt train` at the end of a run
+
+Inputs in the run directory: metrics.jsonl (one JSON object per step, verl-style keys), optionally
+response_lengths.jsonl ({"step", "lengths": [...]} per step) for length distributions, and sd_compare.json
+({"with_sd_s", "without_sd_s", ...}: the same rollout timed with speculation on and off).
+"""
+from __future__ import annotations
+
+import html
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _line_plot(rows, keys: list[tuple[str, str]], title: str, ylabel: str, path: Path) -> bool:
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    drawn = False
+    for key, label in keys:
+        x, y = _series(rows, key)
+        if x:
+            ax.plot(x, y, marker="o", ms=3, label=label)
+            drawn = True
+    if drawn:
+        ax.set(title=title, xlabel="RL step", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
+def _length_plot(rows, lengths: list[dict], path: Path) -> bool:
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    if lengths:
+        ax.boxplot([r["lengths"] for r in lengths], positions=[r["step"] for r in lengths], widths=0.6,
+                   showfliers=True, flierprops={"markersize": 2})
+        ax.set(title="Response length per step (box: p25-p75, whiskers 1.5 IQR)")
+    else:
+        for key, label in (("response_length/p50", "p50"), ("response_length/p90", "p90"),
+                           ("response_length/max", "max")):
+            x, y = _series(rows, key)
+            ax.plot(x, y, marker="o", ms=3, label=label)
+        ax.legend(fontsize=8)
+        ax.set(title="Response length per step")
+    ax.set(xlabel="RL step", ylabel="tokens")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return bool(lengths or rows)
+
+
+def _phase_plot(rows, path: Path) -> bool:
+    phases = sorted({k for r in rows for k in r if k.startswith("timing_s/") and k != "timing_s/step"})
+    if not phases:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    bottom = [0.0] * len(rows)
+    steps = [r["step"] for r in rows]
+    for ph in phases:
+        vals = [r.get(ph) or 0.0 for r in rows]
+        ax.bar(steps, vals, bottom=bottom, label=ph.split("/", 1)[1])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set(title="Time per phase", xlabel="RL step", ylabel="seconds")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _sd_compare_plot(cmp: dict, path: Path) -> bool:
+    if not cmp:
+        return False
+    fig, ax = plt.subplots(figsize=(5, 3.0))
+    labels, vals = ["without SD", "with adaptive SD"], [cmp["without_sd_s"], cmp["with_sd_s"]]
+    ax.bar(labels, vals, color=["#999999", "#2a7ab9"])
+    ax.set(title=f"Same rollout, SD off vs on: {cmp['without_sd_s'] / max(cmp['with_sd_s'], 1e-9):.2f}x",
+           ylabel="seconds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def make_report(run_dir: str | Path, summary: dict | None = None) -> Path:
+    run = Path(run_dir)
+    rows = _read_jsonl(run / "metrics.jsonl")
+    lengths = _read_jsonl(run / "response_lengths.jsonl")
+    cmp_path = run / "sd_compare.json"
+    cmp = json.loads(cmp_path.read_text()) if cmp_path.is_file() else {}
+    plots = [
+        ("reward.png", "Reward and accuracy", _line_plot(rows, [("critic/score/mean", "train reward (mean)"),
+                                                                ("val/accuracy", "held-out accuracy")],
+                                                         "Reward / accuracy", "score", run / "reward.png")),
+        ("lengths.png", "Response lengths", _length_plot(rows, lengths, run / "lengths.png")),
+        ("accept.png", "Speculative accept length",
+         _line_plot(rows, [("rollout/spec_accept_length", "accept length (tokens / verify step)")],
+                    "Accept length per step", "tokens", run / "accept.png")),
+        ("sd_on.png", "SD-on fraction", _line_plot(rows, [("rollout/spec_on_fraction", "SD-on fraction of decode steps")],
+                                                   "SD-on fraction", "fraction", run / "sd_on.png")),
+        ("phases.png", "Time per phase", _phase_plot(rows, run / "phases.png")),
+        ("sd_compare.png", "Rollout with vs without SD", _sd_compare_plot(cmp, run / "sd_compare.png")),
+    ]
+    parts = ["<html><head><meta charset='utf-8'><title>tlt run report</title>",
+             "<style>body{font-family:sans-serif;max-width:1000px;margin:auto}img{max-width:48%;margin:4px}"
+             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px}</style></head><body>",
+             f"<h1>tlt run report</h1><p>{html.escape(str(run.resolve()))}</p>"]
+    if summary:
+        parts.append("<h2>Summary</h2><table>" + "".join(
+            f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in summary.items())
+            + "</table>")
+    parts.append("<h2>Plots</h2>")
+    parts += [f"<figure style='display:inline-block;width:48%'><img style='max-width:100%' src='{f}'>"
+              f"<figcaption>{t}</figcaption></figure>" for f, t, ok in plots if ok]
+    parts.append("</body></html>")
+    out = run / "report.html"
+    out.write_text("\n".join(parts))
+    return out
+
+
+if __name__ == "__main__":
+    print(make_report(sys.argv[1]))

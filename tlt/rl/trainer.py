@@ -1,0 +1,381 @@
+"""GRPO-family RL trainer: rollout (tlt.LLM, optionally speculative) -> reward -> advantages -> policy update.
+
+    tlt train                                          # the embedded default task and model
+    tlt train configs/smoke.yaml                       # one-minute run on a tiny random model (no downloads)
+    tlt train configs/smoke.yaml rollout.n=8 trainer.total_steps=4
+    torchrun --nproc_per_node 2 -m tlt train configs/smoke.yaml      # data parallel (gloo on CPU, NCCL on GPU)
+
+One step, as `fit()` reads: take data.train_batch_size prompts (each data-parallel rank rolls out its share),
+sample rollout.n responses per prompt, score them, compute GRPO advantages, take the old log-probs, run
+actor.ppo_epochs x mini-batches of updates, log, validate and checkpoint when due.
+
+Weights are shared, not copied: the rollout engine is built on the very Decoder the optimiser updates, so every
+step samples from the current weights and the engine's log-probs are the old policy's log-probs (verl's
+old_log_prob) up to kernel rounding; rollout.recompute_logprobs recomputes them with the trainer's forward and
+logs the difference. The trainer keeps fp32 master weights (model.dtype=auto means float32 here: AdamW updates
+of ~1e-6 vanish in bf16 weights), so the engine decodes in fp32 too; actor.bf16_autocast speeds up the
+trainer's own forward/backward where bf16 is fast (GPU, or CPUs with native bf16).
+
+Outputs go to <trainer.default_local_dir>/<project_name>/<experiment_name>/: metrics.jsonl, tensorboard/,
+global_step_N/ checkpoints (tlt.rl.checkpoint); trainer.resume=auto continues from the latest one exactly.
+model.path=tiny-random builds a tiny random Llama once (tlt.rl.tiny_model); model.path=null is the default
+SmolLM2 model. Under torchrun each rank rolls out train_batch_size / world_size prompts; gradients are summed
+over ranks with losses normalised by global token counts, so N ranks take the same step as one process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tlt.config import Config, ConfigError, format_config, load_config
+from tlt.engine.outputs import RequestOutput
+from tlt.rl.actor import Actor
+from tlt.rl.advantages import compute_advantages, groups_to_keep, keep_mask
+from tlt.rl.checkpoint import (CheckpointManager, TrainerState, capture_rng_state, copy_hf_side_files,
+                               load_trainer_state, restore_rng_state)
+from tlt.rl.data import PromptDataset, load_examples
+from tlt.rl.logging import MetricsLogger, PhaseTimer, flat_numbers, reduce_metrics, rollout_metrics
+from tlt.rl.rewards import RewardManager
+from tlt.rl.rollout import ActorBatch, RolloutBatch, generate_rollouts, rollout_seed, sampling_params_for
+
+MAX_GEN_BATCHES = 4  # DAPO dynamic sampling: rollout rounds per step before training on what was kept
+TINY_RANDOM = "tiny-random"
+
+
+class DrafterHook:
+    """Online drafter training plugs in here (tlt.drafter_train); this default does nothing.
+
+    after_rollout(step, rollout, outputs) runs once per step after the policy update: `rollout` holds the
+    responses trained on, `outputs` every engine output of the step (groups dropped by dynamic sampling too),
+    with target hidden states ([R, H] bf16 per response) when wants_hidden_states is True. It returns metrics to
+    log. state_dict() is saved with each checkpoint and load_state_dict() restores it on resume.
+    """
+    wants_hidden_states = False
+
+    def after_rollout(self, step: int, rollout: RolloutBatch, outputs: list[RequestOutput]) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> DistInfo:
+    """Join the torchrun process group when WORLD_SIZE > 1 (gloo on CPU, NCCL on GPU); idempotent."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if not dist.is_initialized():
+        return DistInfo()
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+
+
+def gather(obj: Any, info: DistInfo) -> list[Any]:
+    if info.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: Config, drafter_hook: DrafterHook | None = None):
+        from tlt.device import resolve_device
+        from tlt.llm import LLM
+        from tlt.models.loader import load_model, load_tokenizer
+
+        self.cfg, self.dist = cfg, init_distributed()
+        prepare_config(cfg, self.dist)
+        self.drafter_hook = drafter_hook or DrafterHook()
+        d, t = cfg.data, cfg.trainer
+        if d.train_batch_size % self.dist.world_size:
+            raise ConfigError(f"data.train_batch_size={d.train_batch_size} must be divisible by the number of "
+                              f"data-parallel ranks ({self.dist.world_size})")
+        self.prompts_per_rank = d.train_batch_size // self.dist.world_size
+        self.num_mini_batches = d.train_batch_size // (cfg.actor.ppo_mini_batch_size or d.train_batch_size)
+        device = resolve_device(cfg.model.device)
+        self.device = torch.device("cuda", self.dist.local_rank) if device.type == "cuda" else device
+        torch.manual_seed(t.seed)
+        self.run_dir = Path(t.default_local_dir) / t.project_name / t.experiment_name
+        self.ckpt = CheckpointManager(self.run_dir)
+        resume_dir = self.ckpt.resolve_resume(t.resume)
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.model = load_model(resume_dir or cfg.model.path, dtype=dtype, device=str(self.device))
+        # the reference policy is the initial model, also after a resume (model.path, not the checkpoint)
+        self.ref_model = load_model(cfg.model.path, dtype=dtype, device=str(self.device)).requires_grad_(False) \
+            if cfg.actor.use_kl_loss else None
+        self.train_data = PromptDataset.from_config(d, self.tokenizer, "train")
+        self.val_examples = load_examples(d.val_files, self.tokenizer, d.prompt_key, d.max_prompt_length,
+                                          d.filter_overlong_prompts)[0] if d.val_files else []
+        self.rewards = RewardManager(cfg.reward)
+        self.actor = Actor(self.model, cfg.actor, t.total_steps)
+        self.llm = LLM(model=self.model, tokenizer=self.tokenizer, max_num_seqs=cfg.rollout.max_num_seqs,
+                       max_model_len=d.max_prompt_length + d.max_response_length, seed=t.seed,
+                       speculative_config=self._speculative_config())
+        self.start_step = self._resume(resume_dir) if resume_dir else 0
+        self.logger = MetricsLogger(t, self.run_dir, t.total_steps, self.start_step, self.dist.is_main, cfg)
+
+    # ---------------------------------------------------------------- the loop
+
+    def fit(self) -> dict[str, Any]:
+        cfg, t = self.cfg, self.cfg.trainer
+        metrics: dict[str, float] = {}
+        start = time.perf_counter()
+        for step in range(self.start_step + 1, t.total_steps + 1):
+            timer = PhaseTimer()
+            with timer("step"):
+                rollout, outputs, step_metrics = self.collect_rollouts(step, timer)
+                adv = compute_advantages(rollout.scores, rollout.group_ids, cfg.algorithm)
+                batch = rollout.to_actor_batch(adv.values, self.loss_mask(rollout, adv.valid_mask),
+                                               cfg.rollout.temperature, self.device)
+                with timer("old_log_prob"):
+                    step_metrics.update(self.old_log_probs(batch))
+                if self.ref_model is not None:
+                    with timer("ref"):
+                        batch.ref_log_probs = self.actor.compute_log_probs(batch, self.ref_model)
+                with timer("update_actor"):
+                    step_metrics.update(self.actor.update(batch, self.num_mini_batches))
+                step_metrics.update(self.drafter_hook.after_rollout(step, rollout, outputs))
+                if t.test_freq > 0 and self.val_examples and (step % t.test_freq == 0 or step == t.total_steps):
+                    with timer("testing"):
+                        step_metrics.update(self.validate())
+                if step == t.total_steps or (t.save_freq > 0 and step % t.save_freq == 0):
+                    with timer("save"):
+                        self.save_checkpoint(step)
+            metrics = self.step_metrics(step_metrics, timer, rollout, adv.values)
+            self.logger.log(step, metrics)
+        self.logger.close()
+        return {"steps": t.total_steps, "start_step": self.start_step, "wall_s": round(time.perf_counter() - start, 2),
+                "final_score_mean": metrics.get("critic/score/mean"), "final_val_accuracy": metrics.get("val/accuracy"),
+                "checkpoint": str(self.ckpt.step_dir(t.total_steps)), "run_dir": str(self.run_dir)}
+
+    # ---------------------------------------------------------------- phases
+
+    def collect_rollouts(self, step: int, timer: PhaseTimer
+                         ) -> tuple[RolloutBatch, list[RequestOutput], dict[str, float]]:
+        """This rank's share of the step's prompt groups, sampled and scored.
+
+        With rollout.dynamic_sampling (DAPO) groups whose rewards are all equal are dropped and more prompts are
+        sampled until the ranks together hold train_batch_size groups or MAX_GEN_BATCHES rounds have run.
+        """
+        r, rank, per = self.cfg.rollout, self.dist.rank, self.prompts_per_rank
+        if self.llm.spec is not None:
+            self.llm.spec.reset_stats()  # spec acceptance figures per step, not cumulative
+        engine_before = self.llm.stats()
+        kept: list[RolloutBatch] = []
+        outputs: list[RequestOutput] = []
+        reward_metrics: list[dict[str, float]] = []
+        num_kept = num_dropped = attempt = 0
+        while True:
+            prompts = self.train_data.next_batch()[rank * per:(rank + 1) * per]  # same global batch on every rank
+            seed = rollout_seed(self.cfg.trainer.seed, step, attempt)
+            params = sampling_params_for(len(prompts), r.n, r.temperature, r.top_p, r.top_k,
+                                         self.cfg.data.max_response_length, seed, first_prompt=rank * per,
+                                         return_hidden_states=self.drafter_hook.wants_hidden_states)
+            first_group = attempt * self.cfg.data.train_batch_size + rank * per
+            with timer("gen"):
+                batch, outs = generate_rollouts(self.llm, prompts, params, first_group)
+            with timer("reward"):
+                result = self.rewards.score(batch.examples, batch.texts)
+            batch.scores = result.scores
+            reward_metrics.append(result.metrics)
+            outputs += outs
+            attempt += 1
+            if not r.dynamic_sampling:
+                kept.append(batch)
+                break
+            keep = groups_to_keep(batch.group_ids, batch.scores)
+            num_dropped += len(prompts) - len(keep)
+            kept.append(batch.select(keep_mask(batch.group_ids, keep).tolist()))
+            num_kept += len(keep)
+            total = sum(gather(min(num_kept, per), self.dist))
+            if total >= self.cfg.data.train_batch_size or attempt >= MAX_GEN_BATCHES:
+                break
+        rollout = RolloutBatch.concat(kept).first_groups(per)
+        engine_after = self.llm.stats()
+        reward_totals = {"reward/total_errors": reward_metrics[-1]["reward/total_errors"]}  # a running count
+        sampling = {"data/num_gen_batches": float(attempt), "data/num_dropped_groups": float(num_dropped)}
+        metrics = reduce_metrics(reward_metrics) | reward_totals | sampling
+        for k, v in flat_numbers("", engine_after).items():
+            before = engine_before.get(k)
+            delta = isinstance(before, (int, float)) and not k.startswith("spec_")
+            metrics[f"rollout/{k}"] = v - before if delta else v
+        return rollout, outputs, metrics
+
+    def loss_mask(self, rollout: RolloutBatch, valid: torch.Tensor) -> torch.Tensor:
+        """[N] bool: responses that count in the loss (valid reward; not truncated under the overlong filter)."""
+        if not self.cfg.rollout.overlong_filter:
+            return valid
+        return valid & torch.tensor([f != "length" for f in rollout.finish_reasons], dtype=torch.bool)
+
+    def old_log_probs(self, batch: ActorBatch) -> dict[str, float]:
+        """The engine's log-probs are the old policy's (shared weights); optionally recompute and compare them."""
+        if not self.cfg.rollout.recompute_logprobs:
+            return {}
+        recomputed = self.actor.compute_log_probs(batch)
+        valid = torch.arange(batch.old_log_probs.shape[1], device=self.device)[None] < batch.response_lens[:, None]
+        diff = (recomputed - batch.old_log_probs).abs()[valid]
+        batch.old_log_probs = recomputed
+        return {"rollout/logprob_max_diff": float(diff.max()) if diff.numel() else 0.0,
+                "rollout/logprob_mean_diff": float(diff.mean()) if diff.numel() else 0.0}
+
+    def validate(self) -> dict[str, float]:
+        """Greedy accuracy on the validation set (rank 0 only; other ranks return nothing)."""
+        if not self.dist.is_main:
+            return {}
+        from tlt.rl.evaluate import evaluate
+        res = evaluate(self.llm, self.val_examples, self.rewards, n=1, temperature=0.0,
+                       max_tokens=self.cfg.data.max_response_length, seed=self.cfg.trainer.seed,
+                       batch_size=self.cfg.data.val_batch_size)
+        return {"val/accuracy": res.accuracy, "val/response_length/mean": res.response_length_mean}
+
+    def step_metrics(self, metrics: dict[str, float], timer: PhaseTimer, rollout: RolloutBatch,
+                     advantages: torch.Tensor) -> dict[str, float]:
+        """Reduce over ranks and add the response statistics, timings and throughput."""
+        local = (rollout.scores, advantages.tolist(), rollout.response_lengths, rollout.prompt_lengths,
+                 [f == "length" for f in rollout.finish_reasons])
+        ranks = gather((metrics | timer.metrics(), local), self.dist)
+        out = reduce_metrics([m for m, _ in ranks])
+        cols = [sum((part[i] for _, part in ranks), []) for i in range(5)]
+        cols[0] = [0.0 if s is None else s for s in cols[0]]
+        out.update(rollout_metrics(*cols))
+        num_tokens = sum(cols[2]) + sum(cols[3])
+        out["throughput/tokens_per_s"] = num_tokens / max(out["timing_s/step"], 1e-9)
+        out["data/num_filtered_prompts"] = float(self.train_data.num_filtered)
+        return out
+
+    # ---------------------------------------------------------------- setup, checkpoints
+
+    def _speculative_config(self) -> dict[str, Any] | None:
+        s = self.cfg.speculative
+        if not s.enabled:
+            return None
+        drafter = s.model
+        if s.method == "eagle" and drafter is None:
+            drafter = self._fresh_drafter()
+        return {"method": s.method, "model": drafter, "num_speculative_tokens": s.num_speculative_tokens,
+                "bs_threshold": s.bs_threshold, "hysteresis_steps": s.hysteresis_steps, "epsilon": s.epsilon,
+                "window": s.window, "seed": self.cfg.trainer.seed}
+
+    def _fresh_drafter(self) -> str:
+        """speculative.model=null with eagle: a freshly initialised drafter for this policy (trained online)."""
+        from tlt.spec.drafter import Drafter
+        from tlt.spec.drafter_io import save_drafter
+        with torch.random.fork_rng():
+            torch.manual_seed(self.cfg.trainer.seed)
+            drafter = Drafter(self.model.cfg)
+        return str(save_drafter(drafter, self.run_dir / f"drafter_init_rank{self.dist.rank}"))
+
+    def save_checkpoint(self, step: int) -> None:
+        if self.dist.is_main:
+            def write_model(path: Path) -> None:
+                from tlt.models.loader import save_model
+                copy_hf_side_files(self.cfg.model.path, path)
+                save_model(self.model, path)
+                self.tokenizer.save_pretrained(str(path))
+
+            state = TrainerState(step=step, actor=self.actor.state_dict(), rng=capture_rng_state(),
+                                 data=self.train_data.state_dict(), drafter_hook=self.drafter_hook.state_dict(),
+                                 rollout_seed=self.cfg.trainer.seed)
+            self.ckpt.save(step, write_model, state, self.cfg)
+        if self.dist.world_size > 1:
+            dist.barrier()
+
+    def _resume(self, path: Path) -> int:
+        """Weights were loaded from `path` already; restore the rest. Returns the step to continue after."""
+        state = load_trainer_state(path)
+        if state.rollout_seed != self.cfg.trainer.seed:
+            raise ConfigError(f"trainer.seed={self.cfg.trainer.seed} differs from the checkpoint's "
+                              f"({state.rollout_seed}): a resumed run would not sample what the original did")
+        self.actor.load_state_dict(state.actor)
+        restore_rng_state(state.rng)
+        self.train_data.load_state_dict(state.data)
+        self.drafter_hook.load_state_dict(state.drafter_hook)
+        if self.dist.is_main:
+            print(f"resumed from {path} (step {state.step})", flush=True)
+        return state.step
+
+
+# ---------------------------------------------------------------- command line
+
+
+def prepare_config(cfg: Config, info: DistInfo) -> None:
+    """Resolve model.path (null = default model, tiny-random = the built-in tiny model) and default data files."""
+    if not cfg.data.train_files:
+        import tlt.tasks.default_task as default_task
+        make = getattr(default_task, "default_datasets", None)
+        if make is None:
+            raise ConfigError("data.train_files is empty and the default task has no default_datasets() yet: "
+                              "pass data.train_files=path/to/train.parquet (e.g. written by `tlt data --out DIR`)")
+        out_dir = Path(cfg.trainer.default_local_dir) / "data" / "default_task"
+        paths = [make(str(out_dir)) if info.is_main else None]  # written once, by rank 0
+        if info.world_size > 1:
+            dist.broadcast_object_list(paths, src=0)
+        train_path, val_path = paths[0]
+        cfg.data.train_files = [str(train_path)]
+        cfg.data.val_files = cfg.data.val_files or [str(val_path)]
+    if cfg.model.path is None:
+        from tlt.models.smollm import default_model_path
+        try:
+            cfg.model.path = str(default_model_path())
+        except (FileNotFoundError, ImportError) as e:
+            raise ConfigError(f"model.path is null (the default model) but it is not available: {e}") from None
+    elif cfg.model.path == TINY_RANDOM:
+        from tlt.rl.tiny_model import tiny_random_model_path
+        if info.is_main:
+            tiny_random_model_path()
+        if info.world_size > 1:
+            dist.barrier()  # rank 0 builds it once; the others then find it in the cache
+        cfg.model.path = str(tiny_random_model_path())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    config_path = argv[0] if argv and "=" not in argv[0] else None
+    overrides = argv[1:] if config_path else argv
+    info = init_distributed()
+    try:
+        cfg = load_config(config_path, overrides)
+        prepare_config(cfg, info)
+        if info.is_main:
+            print(format_config(cfg), flush=True)
+        trainer = GRPOTrainer(cfg)
+    except ConfigError as e:
+        print(f"tlt train: {e}", file=sys.stderr)
+        return 2
+    summary = trainer.fit()
+    if info.is_main:
+        print(json.dumps(summary), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
