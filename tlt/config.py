@@ -110,9 +110,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int = _f(4, "draft depth when not chosen by the bandit", ge=1)
     bs_threshold: int | None = _f(32, "SD turns on when running batch <= this; null = always on", ge=1)
     hysteresis_steps: int = _f(4, "consecutive decode steps under the threshold before SD turns on", ge=1)
-    buckets: list[int] = _f([1, 4, 20], "batch-size bucket upper bounds; larger batches use the last bucket")
-    arms: list[list[int]] = _f([[4, 1, 4], [8, 1, 8], [6, 4, 16], [8, 4, 32]],
-                               "bandit arms [depth, topk, num_draft_tokens]; topk 1 = chain")
+    adaptive: bool = _f(True, "bandit over the arm table (per batch-size bucket); false = one fixed arm")
+    draft_topk: int = _f(1, "fixed arm: 1 = chain of num_speculative_tokens, > 1 = EAGLE-2 tree", ge=1)
+    num_draft_tokens: int | None = _f(None, "fixed tree arm: verify budget; null = depth * topk", ge=1)
+    device_profile: Literal["auto", "cpu", "gpu"] = _f("auto", "arm table: cpu (small verify budgets) or gpu (fastrl's)")
     epsilon: float = _f(0.1, "bandit exploration probability", ge=0, le=1)
     window: int = _f(300, "bandit sliding window (steps) for median reward", ge=1)
 

@@ -276,9 +276,9 @@ class GRPOTrainer:
         drafter = s.model
         if s.method == "eagle" and drafter is None:
             drafter = self._fresh_drafter()
-        return {"method": s.method, "model": drafter, "num_speculative_tokens": s.num_speculative_tokens,
-                "bs_threshold": s.bs_threshold, "hysteresis_steps": s.hysteresis_steps, "epsilon": s.epsilon,
-                "window": s.window, "seed": self.cfg.trainer.seed}
+        keys = ("method", "num_speculative_tokens", "bs_threshold", "hysteresis_steps", "adaptive", "draft_topk",
+                "num_draft_tokens", "device_profile", "epsilon", "window")
+        return {**{k: getattr(s, k) for k in keys}, "model": drafter, "seed": self.cfg.trainer.seed}
 
     def _fresh_drafter(self) -> str:
         """speculative.model=null with eagle: a freshly initialised drafter for this policy (trained online)."""
