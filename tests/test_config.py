@@ -30,7 +30,7 @@ def test_yaml_then_overrides(tmp_path):
 
 def test_round_trip(tmp_path):
     cfg = load_config(None, ["rollout.n=8", "reward.custom_function=my/r.py:score", "trainer.experiment_name=x1",
-                             "speculative.arms=[[2, 1, 2]]", "actor.loss_agg_mode=seq-mean-token-mean"])
+                             "speculative.draft_topk=2", "actor.loss_agg_mode=seq-mean-token-mean"])
     path = tmp_path / "saved.yaml"
     save_config(cfg, str(path))
     assert load_config(str(path), []) == cfg

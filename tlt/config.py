@@ -278,11 +278,8 @@ def _validate(cfg: Config) -> None:
                           f"data.train_batch_size={d.train_batch_size}")
     if len(a.betas) != 2 or not all(0 <= b < 1 for b in a.betas):
         raise ConfigError(f"actor.betas={a.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
-    if any(b <= 0 for b in s.buckets) or s.buckets != sorted(set(s.buckets)):
-        raise ConfigError(f"speculative.buckets={s.buckets} must be strictly increasing positive batch sizes")
-    for arm in s.arms:
-        if len(arm) != 3 or min(arm) < 1:
-            raise ConfigError(f"speculative.arms entry {arm} must be [depth, topk, num_draft_tokens], all >= 1")
+    if s.enabled and s.method == "ngram" and s.model is not None:
+        raise ConfigError("speculative.model is a drafter path, used only with speculative.method=eagle")
     fn = cfg.reward.custom_function
     if fn is not None and (":" not in fn or not fn.rsplit(":", 1)[0].endswith(".py")):
         raise ConfigError(f"reward.custom_function={fn!r} must look like 'path/to/file.py:function_name'")
