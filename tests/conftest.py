@@ -9,6 +9,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# Tests run tiny models, which gain nothing from intra-op threads; on a shared 2-core machine OpenMP threads
+# contending with other processes slow small ops down by 10-100x. One thread keeps the suite fast and steady.
+torch.set_num_threads(1)
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 

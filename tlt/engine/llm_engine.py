@@ -101,7 +101,10 @@ class LLMEngine:
                     self.spec.on_plain_decode(seqs, hidden)
                 done = self._append_sampled(seqs, logits, hidden)
             self.stats.num_decode_steps += 1
-            self.stats.decode_time_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.stats.decode_time_s += dt
+            if self.spec is not None:
+                self.spec.record_decode_time(dt)
         self.scheduler.finish(done)
         if self.spec is not None:
             self.spec.on_finish(done)

@@ -60,7 +60,9 @@ class SpecDecoder:
     def reset_stats(self) -> None:
         self.st = {"verify_steps": 0, "emitted": 0, "plain_steps": 0, "spec_on_steps": 0,
                    "accept_by_bucket": defaultdict(lambda: [0, 0]), "accept_by_pos": defaultdict(lambda: [0, 0]),
-                   "arm_counts": defaultdict(int), "draft_time_s": 0.0, "verify_time_s": 0.0}
+                   "arm_counts": defaultdict(int), "draft_time_s": 0.0, "verify_time_s": 0.0,
+                   "bulk_time_s": 0.0, "tail_time_s": 0.0}
+        self._gate_on = False
 
     def stats(self) -> dict:
         s = self.st
@@ -72,7 +74,12 @@ class SpecDecoder:
             "spec_accept_rate_by_position": {d: a / max(n, 1) for d, (a, n) in sorted(s["accept_by_pos"].items())},
             "spec_arm_counts": dict(s["arm_counts"]),
             "spec_draft_time_s": s["draft_time_s"], "spec_verify_time_s": s["verify_time_s"],
+            "decode_time_bulk_s": s["bulk_time_s"], "decode_time_tail_s": s["tail_time_s"],
         }
+
+    def record_decode_time(self, seconds: float) -> None:
+        """Split decode time into the bulk (batch above the threshold, SD off) and the tail (SD gate on)."""
+        self.st["tail_time_s" if self._gate_on else "bulk_time_s"] += seconds
 
     # ---- engine hooks ---------------------------------------------------------------------------------------
     def on_add(self, seq: Sequence) -> None:
@@ -103,12 +110,13 @@ class SpecDecoder:
 
     def wants_step(self, seqs: list[Sequence]) -> bool:
         if self.cfg.bs_threshold is None:
+            self._gate_on = True
             return True
         self.low_steps = self.low_steps + 1 if len(seqs) <= self.cfg.bs_threshold else 0
-        on = self.low_steps >= self.cfg.hysteresis_steps
-        if not on:
+        self._gate_on = self.low_steps >= self.cfg.hysteresis_steps
+        if not self._gate_on:
             self.st["plain_steps"] += 1
-        return on
+        return self._gate_on
 
     def load_drafter_state(self, state: dict[str, torch.Tensor]) -> None:
         """Publish new drafter weights into this engine, also mid-rollout (exactness never depends on them)."""
