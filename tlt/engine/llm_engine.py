@@ -2,8 +2,9 @@
 
     engine.add_request(prompt_ids, params) ... while engine.has_unfinished(): finished += engine.step()
 
-A speculative decoder (tlt.spec) can take over decode steps; it must leave every sequence exactly as plain decoding
-would have (same tokens, same logprobs), which its tests check.
+A speculative decoder (tlt.spec) can take over decode steps. It is exact: at temperature 0 it emits the very tokens
+plain decoding would; at temperature > 0 every token is an exact draw from the same distribution (which token a
+seed yields then depends on the drafts); logprobs are the target's in both cases. Its tests check all three.
 """
 from __future__ import annotations
 

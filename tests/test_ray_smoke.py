@@ -1,0 +1,102 @@
+"""SpotRollout on a small local Ray instance (2 CPU replicas, tiny random model): two RL steps with spot drafter
+training, preemption at the last replica's finish, drafter publishing (also mid-rollout), and a replica killed
+mid-rollout whose groups are rerun elsewhere. Skipped when Ray cannot start here."""
+import math
+import time
+
+import pytest
+
+import tlt
+from tlt.drafter_train.coordinator import AssignGroups, StartTraining, StopTraining
+from tlt.workers.rollout_worker import ReplicaConfig, RolloutReplica
+from tlt.workers.spot import SpotConfig
+
+ray = pytest.importorskip("ray", reason="ray is not installed")
+
+SPEC = {"method": "eagle", "bs_threshold": None, "adaptive": False, "num_speculative_tokens": 3}
+CFG = ReplicaConfig(speculative=SPEC, device="cpu", dtype="float32", holdout_every=0, batch_tokens=64,
+                    window_len=32, max_num_seqs=16)
+# round-robin split: replica 0 gets groups 0, 2 (short), replica 1 gets 1, 3 (long): replica 0 idles in the tail
+GROUPS = [(g, [1 + g, 7, 3 + g]) for g in range(4)]
+
+
+def params(step, long=96, temperature=1.0):
+    return [tlt.SamplingParams(n=2, temperature=temperature, max_tokens=long if g % 2 else 4,
+                               seed=1000 * step + 10 * g) for g in range(4)]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    if not ray.is_initialized():
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        except (RuntimeError, OSError, ConnectionError, ValueError) as e:
+            pytest.skip(f"ray cannot start here: {e}")
+    yield
+    ray.shutdown()
+
+
+def greedy_reference(path, ps):
+    """Plain (no SD) greedy decoding in one process: what every replica must produce for greedy requests."""
+    rep = RolloutReplica(path, 9, ReplicaConfig(device="cpu", dtype="float32"))
+    return [[c.token_ids for c in o.outputs] for o in rep.generate_groups(GROUPS, ps, 0).outputs]
+
+
+def test_spot_rollout_two_steps(ray_local, tiny_llama_dir):
+    from tlt.workers.ray_rollout import SpotRollout
+    t0 = time.monotonic()
+    rollout = SpotRollout(tiny_llama_dir, 2, CFG, SpotConfig(min_train_tokens=8, session_steps=10_000, poll_s=0.05))
+    events = []
+    rollout.on_action = lambda a: events.append((a, rollout.co.rollout_finished))
+    try:
+        for step in range(2):
+            if step == 1:
+                rollout.spot.session_steps = 2  # short sessions: published while replica 1 still generates
+            events.clear()
+            outs, rep = rollout.run_step(GROUPS, params(step), step)
+            assert [o.group_id for o in outs] == [0, 1, 2, 3]
+            assert all(len(o.outputs) == 2 for o in outs)
+            assert [len(o.outputs[1].token_ids) for o in outs] == [4, 96, 4, 96]  # no EOS: full length
+            starts = [a for a, _ in events if isinstance(a, StartTraining)]
+            stops = [(a, done) for a, done in events if isinstance(a, StopTraining)]
+            assert starts and starts[0].replica == 0  # the early finisher trains
+            assert stops and all(done for _, done in stops)  # preempted only once the LAST replica finished
+            assert rep.drafter_steps > 0 and rep.published and rep.drafter_version == rep.published[-1]
+            assert rep.harvested_s[0] > 0 and rep.idle_s[0] > rep.idle_s[1]
+            assert math.isfinite(rep.barrier_delay_steps)
+            assert set(rep.accept_length) == {0, 1}
+        assert len(rep.published) >= 2 and rep.mid_rollout_pushes >= 1
+        assert not any(isinstance(a, AssignGroups) and a.drafter_version != rep.published[0] - 1
+                       for a, _ in events)  # step 1 started on the version step 0 published
+        stats = rollout.replica_stats()
+        assert {s["drafter_version"] for s in stats.values()} == {rollout.drafter_version}
+    finally:
+        rollout.close()
+    print(f"two spot steps: {time.monotonic() - t0:.1f}s, report {rep}")
+
+
+def test_replica_death_reruns_groups(ray_local, tiny_llama_dir):
+    from tlt.workers.ray_rollout import SpotRollout
+    rollout = SpotRollout(tiny_llama_dir, 2, CFG, SpotConfig(min_train_tokens=8, session_steps=10_000, poll_s=0.05))
+    killed = []
+
+    def kill_replica_1(action):
+        if isinstance(action, AssignGroups) and action.replica == 1 and not killed:
+            deadline = time.monotonic() + 30
+            while ray.get(rollout.actors[1].stats.remote())["num_generated_tokens"] == 0:  # threaded: answers
+                assert time.monotonic() < deadline, "replica 1 never started generating"
+                time.sleep(0.02)
+            ray.kill(rollout.actors[1])  # mid-rollout: its long groups are not done yet
+            killed.append(1)
+
+    rollout.on_action = kill_replica_1
+    try:
+        ps = params(0, long=400, temperature=0.0)
+        outs, rep = rollout.run_step(GROUPS, ps, 0)
+        assert killed and rep.dead_replicas == [1] and rep.requeued_groups == 2
+        assert [[c.token_ids for c in o.outputs] for o in outs] == greedy_reference(tiny_llama_dir, ps)
+        assert rollout.live() == [0]
+        outs, rep = rollout.run_step(GROUPS, params(1, long=8), 1)  # the run goes on with one replica
+        assert len(outs) == 4 and all(len(o.outputs) == 2 for o in outs)
+    finally:
+        rollout.close()

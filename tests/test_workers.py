@@ -1,0 +1,133 @@
+"""RolloutReplica and LocalSpotRollout without Ray: rollout + hidden-state recording, preemptible drafter
+training, the held-out publish gate, drafter swaps mid-rollout, weights sent as a state dict."""
+import threading
+import time
+
+import pytest
+import torch
+
+import tlt
+from tlt.models.loader import read_config
+from tlt.workers.rollout_worker import ReplicaConfig, RolloutReplica
+from tlt.workers.spot import LocalSpotRollout, SpotConfig
+
+SPEC = {"method": "eagle", "bs_threshold": None, "adaptive": False, "num_speculative_tokens": 3}
+GROUPS = [(10, [1, 2, 3]), (11, [4, 5, 6, 7]), (12, [8, 9])]
+
+
+def cfg(**kw):
+    base = dict(speculative=SPEC, device="cpu", dtype="float32", holdout_every=0, batch_tokens=64, window_len=32)
+    return ReplicaConfig(**{**base, **kw})
+
+
+def plain_outputs(path, groups, params):
+    llm = tlt.LLM(model=path, device="cpu", dtype="float32")
+    outs = llm.generate(prompt_token_ids=[p for _, p in groups], sampling_params=params,
+                        group_ids=[g for g, _ in groups])
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.fixture()
+def replica(tiny_llama_dir):
+    return RolloutReplica(tiny_llama_dir, 0, cfg())
+
+
+def test_generate_groups_matches_plain_engine_and_fills_buffer(tiny_llama_dir, replica):
+    params = tlt.SamplingParams(n=2, temperature=0.0, max_tokens=12)
+    res = replica.generate_groups(GROUPS, params, rl_step=0)
+    assert [o.group_id for o in res.outputs] == [10, 11, 12]
+    assert [[c.token_ids for c in o.outputs] for o in res.outputs] == plain_outputs(tiny_llama_dir, GROUPS, params)
+    assert all(c.hidden_states is None for o in res.outputs for c in o.outputs)  # not asked: stay in the replica
+    assert len(replica.buffer) == 6 and res.train_tokens == replica.num_train_tokens() > 0
+    s = replica.buffer.samples[0]
+    assert s.response_start == 3 and s.hidden_start == 2 and s.hidden.shape == (12, 64) and s.rl_step == 0
+    assert "spec_accept_length" in res.stats
+
+
+def test_hidden_states_in_buffer_are_the_engine_outputs(replica):
+    params = tlt.SamplingParams(n=1, temperature=1.0, max_tokens=6, seed=3, return_hidden_states=True)
+    res = replica.generate_groups(GROUPS[:1], params, rl_step=4)
+    h = res.outputs[0].outputs[0].hidden_states
+    assert h.shape == (6, 64)
+    assert torch.equal(replica.buffer.samples[0].hidden, h.to(torch.bfloat16))
+    assert replica.buffer.samples[0].token_ids.tolist() == GROUPS[0][1] + res.outputs[0].outputs[0].token_ids
+
+
+def test_train_drafter_stops_on_flag(replica):
+    replica.generate_groups(GROUPS, tlt.SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=0), 0)
+    before = replica.drafter_state()
+    flag, out = threading.Event(), {}
+    th = threading.Thread(target=lambda: out.setdefault("r", replica.train_drafter(10_000, 0, stop_flag=flag)))
+    th.start()
+    deadline = time.monotonic() + 30
+    while replica.trainer.total_steps < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    flag.set()
+    th.join(timeout=30)
+    r = out["r"]
+    assert not th.is_alive() and r.preempted and 2 <= r.steps < 10_000 and r.publish
+    after = replica.drafter_state()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    # stop_training(session) before the session starts: it runs no step
+    replica.stop_training(session=7)
+    r = replica.train_drafter(100, 0, session=7)
+    assert r.steps == 0 and r.preempted and not r.publish
+
+
+def test_publish_gate_rolls_back_worse_drafter(replica):
+    replica.cfg.holdout_every = 2
+    replica.buffer.holdout_every = 2
+    replica.generate_groups(GROUPS, tlt.SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=0), 0)
+    assert replica.buffer.heldout_batch(64, 4096) is not None
+    before = replica.drafter_state()
+    accs = iter([0.5, 0.1])  # held-out accuracy before, after: the session made it worse
+    replica.trainer.evaluate = lambda batch, depth=8: {"acc": next(accs)}
+    r = replica.train_drafter(3, 0)
+    assert r.steps == 3 and not r.publish and r.eval_after == {"acc": 0.1}
+    assert all(torch.equal(before[k], v) for k, v in replica.drafter_state().items())
+    accs = iter([0.1, 0.2])
+    assert replica.train_drafter(3, 0).publish
+
+
+def test_set_drafter_mid_rollout_keeps_outputs_exact(tiny_llama_dir, replica):
+    groups = [(0, [1, 2, 3]), (1, [5, 6])]
+    params = tlt.SamplingParams(n=1, temperature=0.0, max_tokens=120)
+    new = {k: torch.randn_like(v) * 0.05 for k, v in replica.drafter_state().items()}
+    out = {}
+    th = threading.Thread(target=lambda: out.setdefault("r", replica.generate_groups(groups, params, 0)))
+    th.start()
+    while not replica._generating and th.is_alive():
+        time.sleep(0.001)
+    assert replica.set_drafter(new, 1)  # waits for an engine-step boundary
+    assert th.is_alive() and replica._generating  # it landed mid-rollout
+    assert not replica.set_drafter(new, 1)  # stale version: ignored
+    th.join(timeout=60)
+    assert replica.drafter_version == 1 and replica.spec.drafter_version == 1
+    assert torch.equal(replica.spec.drafter.trainable_state_dict()["fc.weight"], new["fc.weight"])
+    assert [[c.token_ids for c in o.outputs] for o in out["r"].outputs] == plain_outputs(tiny_llama_dir, groups,
+                                                                                         params)
+
+
+def test_policy_weights_from_state_dict(tiny_llama_dir, replica):
+    blank = RolloutReplica(read_config(tiny_llama_dir), 1, cfg())
+    assert blank.set_policy_weights(replica.model.state_dict()) == 1
+    params = tlt.SamplingParams(n=1, temperature=0.0, max_tokens=8)
+    a = replica.generate_groups(GROUPS, params, 0).outputs
+    b = blank.generate_groups(GROUPS, params, 0).outputs
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_local_spot_rollout_two_steps(tiny_llama_dir):
+    rollout = LocalSpotRollout(tiny_llama_dir, cfg(), SpotConfig(min_train_tokens=8, local_max_steps=3))
+    groups = [(g, [1 + g, 2 + g, 3]) for g in range(4)]
+    for step in range(2):
+        params = [tlt.SamplingParams(n=2, temperature=1.0, max_tokens=4 + 8 * (g % 2), seed=100 * step + g)
+                  for g in range(4)]
+        outs, rep = rollout.run_step(groups, params, step)
+        assert [o.group_id for o in outs] == [0, 1, 2, 3]
+        assert [len(o.outputs[0].token_ids) for o in outs] == [4, 12, 4, 12]
+        assert rep.drafter_steps == 3 and rep.drafter_version == step + 1 and rep.published == [step + 1]
+    assert rollout.replica.drafter_version == 2
+    outs = rollout.generate(prompt_token_ids=[[1, 2]], sampling_params=tlt.SamplingParams(max_tokens=3),
+                            group_ids=[5], rl_step=2)
+    assert outs[0].group_id == 5 and rollout.last_report.step == 2
