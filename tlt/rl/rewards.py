@@ -28,6 +28,11 @@ from math_verify import parse, verify
 from tlt.config import RewardConfig
 from tlt.rl.data import PromptExample
 
+# We disable math-verify's signal-based timeouts (they break outside the main thread) and bound every scorer with
+# our own thread timeout instead; its one-time warning about that would only confuse users.
+for _name in ("math_verify.grader", "math_verify.parser"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
 logger = logging.getLogger(__name__)
 
 Shape = Literal["verl", "trl"]

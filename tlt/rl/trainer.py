@@ -56,7 +56,8 @@ class DrafterHook:
     after_rollout(step, rollout, outputs) runs once per step after the policy update: `rollout` holds the
     responses trained on, `outputs` every engine output of the step (groups dropped by dynamic sampling too),
     with target hidden states ([R, H] bf16 per response) when wants_hidden_states is True. It returns metrics to
-    log. state_dict() is saved with each checkpoint and load_state_dict() restores it on resume.
+    log. state_dict() is saved with each checkpoint and load_state_dict() restores it on resume; export(dir) writes
+    the drafter in use into each checkpoint (global_step_N/drafter/), the deployable by-product.
     """
     wants_hidden_states = False
 
@@ -67,6 +68,9 @@ class DrafterHook:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+    def export(self, out_dir: Path) -> None:
         return None
 
 
@@ -107,7 +111,6 @@ class GRPOTrainer:
 
         self.cfg, self.dist = cfg, init_distributed()
         prepare_config(cfg, self.dist)
-        self.drafter_hook = drafter_hook or DrafterHook()
         d, t = cfg.data, cfg.trainer
         if d.train_batch_size % self.dist.world_size:
             raise ConfigError(f"data.train_batch_size={d.train_batch_size} must be divisible by the number of "
@@ -135,6 +138,8 @@ class GRPOTrainer:
         self.llm = LLM(model=self.model, tokenizer=self.tokenizer, max_num_seqs=cfg.rollout.max_num_seqs,
                        max_model_len=d.max_prompt_length + d.max_response_length, seed=t.seed,
                        speculative_config=self._speculative_config())
+        self.drafter_hook = drafter_hook or self._default_drafter_hook()
+        self.last_rollout: tuple[list, list] | None = None  # (prompts, sampling params) of the latest rollout
         self.start_step = self._resume(resume_dir) if resume_dir else 0
         self.logger = MetricsLogger(t, self.run_dir, t.total_steps, self.start_step, self.dist.is_main, cfg)
 
@@ -144,6 +149,10 @@ class GRPOTrainer:
         cfg, t = self.cfg, self.cfg.trainer
         metrics: dict[str, float] = {}
         start = time.perf_counter()
+        initial_val = {}
+        if self.start_step == 0 and t.test_freq > 0 and self.val_examples:  # verl's val_before_train
+            initial_val = self.validate()
+            self.logger.log(0, initial_val, advance=False)
         for step in range(self.start_step + 1, t.total_steps + 1):
             timer = PhaseTimer()
             with timer("step"):
@@ -167,9 +176,12 @@ class GRPOTrainer:
                         self.save_checkpoint(step)
             metrics = self.step_metrics(step_metrics, timer, rollout, adv.values)
             self.logger.log(step, metrics)
+            self.logger.log_lengths(step, sum(gather(rollout.response_lengths, self.dist), []))
         self.logger.close()
         return {"steps": t.total_steps, "start_step": self.start_step, "wall_s": round(time.perf_counter() - start, 2),
-                "final_score_mean": metrics.get("critic/score/mean"), "final_val_accuracy": metrics.get("val/accuracy"),
+                "final_score_mean": metrics.get("critic/score/mean"),
+                "initial_val_accuracy": initial_val.get("val/accuracy"), "final_val_accuracy": metrics.get("val/accuracy"),
+                "drafter_version": metrics.get("drafter/version"),
                 "checkpoint": str(self.ckpt.step_dir(t.total_steps)), "run_dir": str(self.run_dir)}
 
     # ---------------------------------------------------------------- phases
@@ -198,6 +210,7 @@ class GRPOTrainer:
             first_group = attempt * self.cfg.data.train_batch_size + rank * per
             with timer("gen"):
                 batch, outs = generate_rollouts(self.llm, prompts, params, first_group)
+            self.last_rollout = (prompts, params)
             with timer("reward"):
                 result = self.rewards.score(batch.examples, batch.texts)
             batch.scores = result.scores
@@ -280,6 +293,16 @@ class GRPOTrainer:
                 "num_draft_tokens", "device_profile", "epsilon", "window")
         return {**{k: getattr(s, k) for k in keys}, "model": drafter, "seed": self.cfg.trainer.seed}
 
+    def _default_drafter_hook(self) -> DrafterHook:
+        """Online drafter training in this process for eagle SD with one rollout worker; otherwise none (the Ray
+        rollout workers of tlt.workers train it on their idle replicas)."""
+        c = self.cfg
+        if not (c.drafter_train.enabled and c.speculative.enabled and c.speculative.method == "eagle"
+                and c.trainer.num_rollout_workers <= 1):
+            return DrafterHook()
+        from tlt.drafter_train.online import OnlineDrafterHook
+        return OnlineDrafterHook(c.drafter_train, self.llm.spec, seed=c.trainer.seed + self.dist.rank)
+
     def _fresh_drafter(self) -> str:
         """speculative.model=null with eagle: a freshly initialised drafter for this policy (trained online)."""
         from tlt.spec.drafter import Drafter
@@ -296,6 +319,7 @@ class GRPOTrainer:
                 copy_hf_side_files(self.cfg.model.path, path)
                 save_model(self.model, path)
                 self.tokenizer.save_pretrained(str(path))
+                self.drafter_hook.export(path / "drafter")
 
             state = TrainerState(step=step, actor=self.actor.state_dict(), rng=capture_rng_state(),
                                  data=self.train_data.state_dict(), drafter_hook=self.drafter_hook.state_dict(),
