@@ -151,3 +151,12 @@ def test_spec_config_errors():
         SpecConfig.from_dict({"method": "eagle"})
     with pytest.raises(ValueError, match="method="):
         SpecConfig.from_dict({"method": "medusa"})
+
+
+def test_cache_growth_mid_speculation(sharp_llama):
+    """KV capacity grows inside a verify step (long generation from a short start) without breaking the commit."""
+    model, drafter_dir = sharp_llama
+    llm = tlt.LLM(model, speculative_config=dict(TREE, model=drafter_dir))
+    out = llm.generate([[5, 6]], tlt.SamplingParams(temperature=0, max_tokens=124, ignore_eos=True))[0].outputs[0]
+    ref = tlt.LLM(model).generate([[5, 6]], tlt.SamplingParams(temperature=0, max_tokens=124, ignore_eos=True))
+    assert out.token_ids == ref[0].outputs[0].token_ids

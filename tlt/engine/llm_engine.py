@@ -79,6 +79,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- one step -------------------------------------------------------------------------------------------
+    @torch.inference_mode()  # caches grown mid-step must be inference tensors everywhere they are touched
     def step(self) -> list[Sequence]:
         """Run one prefill or decode step; return the sequences that finished in it."""
         admitted = self.scheduler.admit()
