@@ -1,0 +1,349 @@
+"""End-to-end RL step time with speculative decoding off, always on and adaptive, runs interleaved per step.
+
+    tlt bench e2e [CONFIG] [--steps N] [--modes off,always,adaptive] [--threads 1] [--quick] [key=value ...]
+    tlt bench e2e configs/smoke.yaml --quick                       # seconds, tiny random model
+    tlt bench e2e data.train_batch_size=4 rollout.n=4 data.max_response_length=128 --steps 6
+
+One GRPOTrainer per mode, each in its own process and run directory, all from the same config and seeds (CONFIG,
+else configs/default.yaml when present, else the built-in defaults: the default task on SmolLM2-135M-Instruct).
+The modes differ only in the speculative section:
+    off       speculative.enabled=false
+    always    SD at every batch size with one fixed EAGLE chain (bs_threshold=null, adaptive=false)
+    adaptive  SD gated on the running batch (speculative.bs_threshold) with the bandit over the arm table
+Drafter: speculative.model, else the cached warm-up drafter of the model (tlt.drafter_train.offline); without one
+the SD modes use n-gram drafts, and the output says so. The processes take turns one RL step at a time, in an
+order rotated every step (A B C, B C A, ...), so drift of a shared machine hits every mode alike; a waiting
+process is blocked on a pipe and uses no CPU. Timing is the trainer's own: timing_s/gen (rollout) and
+timing_s/step without checkpoint saving and validation (timing_s/save, timing_s/testing).
+
+Learning must not change (SD is exact, so only the random paths differ): per-response rewards and lengths, pooled
+over steps, are compared between off and each SD mode (Mann-Whitney U and Kolmogorov-Smirnov, scipy), and the
+per-step mean-reward difference gets a bootstrap 95% CI (responses resampled within each step). Curves go to
+<out>/e2e_curves.png. Prints a table, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from tlt.bench.common import print_json_line, print_table
+
+MODES = ("off", "always", "adaptive")
+STEP_SPEEDUP_GOAL = 1.7  # the paper's end-to-end headline (design doc section 9)
+QUICK_OVERRIDES = ["data.train_batch_size=2", "rollout.n=4", "data.max_response_length=16"]
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+
+
+# ---------------------------------------------------------------- configs per mode
+
+
+def base_config(config_path: str | None, overrides: list[str]):
+    """The shared config with model, data and drafter resolved once (so every mode sees the same files)."""
+    from tlt.config import load_config
+    from tlt.rl.trainer import DistInfo, prepare_config
+    if config_path is None and DEFAULT_CONFIG.is_file():
+        config_path = str(DEFAULT_CONFIG)
+    cfg = load_config(config_path, overrides)
+    wanted_sd = cfg.speculative.enabled
+    cfg.speculative.enabled = False  # resolve the drafter here, without building one inside prepare_config
+    prepare_config(cfg, DistInfo())
+    cfg.speculative.enabled = wanted_sd
+    return cfg, config_path
+
+
+def resolve_drafter(cfg) -> tuple[str, str | None, str]:
+    """(method, drafter dir or None, note) for the SD modes; n-gram when no drafter is available."""
+    s = cfg.speculative
+    if s.method == "ngram":
+        return "ngram", None, "speculative.method=ngram"
+    if s.model:
+        return "eagle", s.model, f"drafter {s.model}"
+    try:
+        from tlt.drafter_train.offline import drafter_cache_dir
+    except ImportError:
+        return "ngram", None, "no warm-up drafter builder (tlt.drafter_train.offline): n-gram drafts instead"
+    cached = drafter_cache_dir(cfg.model.path)
+    if (cached / "provenance.json").is_file():
+        return "eagle", str(cached), f"cached warm-up drafter {cached}"
+    return "ngram", None, (f"no warm-up drafter at {cached}: n-gram drafts instead (build it with "
+                           f"`python -c 'from tlt.drafter_train.offline import default_drafter_path as d; d()'`)")
+
+
+def mode_config(cfg, mode: str, method: str, drafter: str | None, out: Path):
+    c = copy.deepcopy(cfg)
+    s, t = c.speculative, c.trainer
+    s.enabled = mode != "off"
+    s.method, s.model = method, drafter
+    if mode == "always":
+        s.bs_threshold, s.adaptive = None, False
+    t.default_local_dir, t.project_name, t.experiment_name = str(out), "bench_e2e", mode
+    t.resume, t.logger, t.save_freq, t.test_freq = "disable", ["jsonl"], -1, -1
+    return c
+
+
+# ---------------------------------------------------------------- one process per mode
+
+
+class RecordingHook:
+    """Wraps the trainer's drafter hook: keeps the step's per-response rewards and lengths, then delegates."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.wants_hidden_states = inner.wants_hidden_states
+        self.scores: list[float] = []
+        self.lengths: list[int] = []
+
+    def after_rollout(self, step, rollout, outputs):
+        self.scores = [0.0 if s is None else float(s) for s in rollout.scores]
+        self.lengths = list(rollout.response_lengths)
+        return self.inner.after_rollout(step, rollout, outputs)
+
+    def __getattr__(self, name):  # state_dict, load_state_dict, ...: the wrapped hook's
+        return getattr(self.inner, name)
+
+
+class TurnLogger:
+    """Wraps the trainer's logger: after each step report to the parent and wait for this mode's next turn."""
+
+    def __init__(self, inner, hook: RecordingHook, conn):
+        self.inner, self.hook, self.conn = inner, hook, conn
+
+    def log(self, step, metrics):
+        self.inner.log(step, metrics)
+        self.conn.send(("step", {"step": step, "metrics": dict(metrics), "scores": self.hook.scores,
+                                 "lengths": self.hook.lengths}))
+        self.conn.recv()  # blocked (no CPU) until the parent says go
+
+    def __getattr__(self, name):  # everything else the trainer calls (close, ...) goes to the real logger
+        return getattr(self.inner, name)
+
+
+def _worker(cfg, threads: int, conn) -> None:
+    try:
+        import torch
+        torch.set_num_threads(threads)
+        from tlt.rl.trainer import GRPOTrainer
+        trainer = GRPOTrainer(cfg)
+        hook = RecordingHook(trainer.drafter_hook)
+        trainer.drafter_hook = hook
+        trainer.logger = TurnLogger(trainer.logger, hook, conn)
+        conn.send(("ready", None))
+        conn.recv()
+        conn.send(("done", trainer.fit()))
+    except Exception:  # the parent prints it and stops the other modes
+        conn.send(("error", traceback.format_exc()))
+
+
+def run_interleaved(cfgs: dict, steps: int, threads: int) -> dict[str, list[dict]]:
+    """{mode: [per-step record]}: each mode's trainer takes one step in turn, order rotated every step."""
+    ctx = mp.get_context("spawn")
+    procs, conns = {}, {}
+    for mode, c in cfgs.items():
+        parent, child = ctx.Pipe()
+        procs[mode] = ctx.Process(target=_worker, args=(c, threads, child), daemon=True)
+        procs[mode].start()
+        conns[mode] = parent
+    try:
+        for mode in cfgs:
+            _expect(conns[mode], "ready", mode)
+        records: dict[str, list[dict]] = {m: [] for m in cfgs}
+        order = list(cfgs)
+        for step in range(steps):
+            for mode in order[step % len(order):] + order[:step % len(order)]:
+                conns[mode].send("go")
+                records[mode].append(_expect(conns[mode], "step", mode))
+        for mode in cfgs:
+            conns[mode].send("go")
+            _expect(conns[mode], "done", mode)
+        return records
+    finally:
+        for p in procs.values():
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+
+
+def _expect(conn, kind: str, mode: str):
+    got, payload = conn.recv()
+    if got == "error":
+        raise RuntimeError(f"mode {mode!r} failed:\n{payload}")
+    if got != kind:
+        raise RuntimeError(f"mode {mode!r}: expected {kind!r}, got {got!r}")
+    return payload
+
+
+# ---------------------------------------------------------------- analysis
+
+
+def step_seconds(m: dict) -> float:
+    """The RL step without checkpoint saving and validation (both off here except the forced final save)."""
+    return m["timing_s/step"] - m.get("timing_s/save", 0.0) - m.get("timing_s/testing", 0.0)
+
+
+def spread(xs: list[float]) -> str:
+    return f"{min(xs):.2f}-{max(xs):.2f}"
+
+
+def bootstrap_step_diff(a_steps: list[list[float]], b_steps: list[list[float]], num: int = 2000,
+                        seed: int = 0) -> tuple[float, float, float]:
+    """Mean over steps of (mean b - mean a) and its 95% CI, resampling responses within each step and mode."""
+    rng = np.random.default_rng(seed)
+    point = float(np.mean([np.mean(b) - np.mean(a) for a, b in zip(a_steps, b_steps)]))
+    draws = np.zeros(num)
+    for a, b in zip(a_steps, b_steps):
+        a, b = np.asarray(a, float), np.asarray(b, float)
+        draws += rng.choice(b, (num, len(b))).mean(1) - rng.choice(a, (num, len(a))).mean(1)
+    draws /= len(a_steps)
+    lo, hi = np.percentile(draws, [2.5, 97.5])
+    return point, float(lo), float(hi)
+
+
+def compare_learning(off: list[dict], other: list[dict]) -> dict:
+    """Off vs an SD mode: are per-response rewards and lengths drawn from the same law?"""
+    from scipy.stats import ks_2samp, mannwhitneyu
+    out = {}
+    for key in ("scores", "lengths"):
+        a = [x for r in off for x in r[key]]
+        b = [x for r in other for x in r[key]]
+        same = len(set(a) | set(b)) <= 1  # the tests are undefined on one repeated value
+        out[f"{key}_mwu_p"] = 1.0 if same else float(mannwhitneyu(a, b, alternative="two-sided").pvalue)
+        out[f"{key}_ks_p"] = 1.0 if same else float(ks_2samp(a, b).pvalue)
+    d, lo, hi = bootstrap_step_diff([r["scores"] for r in off], [r["scores"] for r in other])
+    out.update(reward_diff=d, reward_diff_ci=[lo, hi])
+    return out
+
+
+def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
+    off = records.get("off")
+    res = {}
+    for mode, recs in records.items():
+        gen = [r["metrics"]["timing_s/gen"] for r in recs]
+        step = [step_seconds(r["metrics"]) for r in recs]
+        gen_tok_s = [sum(r["lengths"]) / g for r, g in zip(recs, gen)]  # lengths differ by chance between modes
+        m = {"gen_s": statistics.median(gen), "gen_spread": spread(gen), "gen_tok_s": statistics.median(gen_tok_s),
+             "step_s": statistics.median(step), "step_spread": spread(step),
+             "reward": float(np.mean([x for r in recs for x in r["scores"]])),
+             "resp_len": float(np.mean([x for r in recs for x in r["lengths"]])),
+             "accept_len": _median_metric(recs, "rollout/spec_accept_length"),
+             "sd_on": _median_metric(recs, "rollout/spec_on_fraction"),
+             "drafter_train_s": _median_metric(recs, "drafter/train_time_s"),
+             "per_step": [{"gen_s": g, "step_s": s, "reward": r["metrics"].get("critic/score/mean"),
+                           "resp_len": r["metrics"].get("response_length/mean")}
+                          for g, s, r in zip(gen, step, recs)]}
+        if off is not None and mode != "off":
+            gen_x = [a["metrics"]["timing_s/gen"] / g for a, g in zip(off, gen)]
+            step_x = [step_seconds(a["metrics"]) / s for a, s in zip(off, step)]
+            m.update(gen_speedup=statistics.median(gen_x), gen_speedup_spread=spread(gen_x),
+                     step_speedup=statistics.median(step_x), step_speedup_spread=spread(step_x))
+            m.update(compare_learning(off, recs))
+        res[mode] = m
+    return res
+
+
+def _median_metric(recs: list[dict], key: str) -> float | None:
+    xs = [r["metrics"][key] for r in recs if r["metrics"].get(key) is not None]
+    return statistics.median(xs) if xs else None
+
+
+def plot_curves(records: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    panels = (("critic/score/mean", "reward (mean per step)"), ("response_length/mean", "response length (mean)"),
+              (None, "step time s (no save/validation)"))
+    for ax, (key, title) in zip(axes, panels):
+        for mode, recs in records.items():
+            xs = [r["step"] for r in recs]
+            ys = [step_seconds(r["metrics"]) if key is None else r["metrics"][key] for r in recs]
+            ax.plot(xs, ys, marker="o", label=mode)
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tlt bench e2e", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", nargs="?", default=None, help="YAML config (default: configs/default.yaml if present)")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps per mode (default: trainer.total_steps)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
+    ap.add_argument("--out", default="runs/bench_e2e", help="run directories, metrics.jsonl and the PNG")
+    ap.add_argument("--keep-checkpoints", action="store_true", help="keep the final-step checkpoints")
+    ap.add_argument("--quick", action="store_true", help="2 steps at tiny sizes (smoke run)")
+    a = ap.parse_intermixed_args(argv)
+    if a.config and "=" in a.config:
+        a.overrides, a.config = [a.config, *a.overrides], None
+    modes = [m for m in a.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown or not modes:
+        ap.error(f"--modes takes a comma list of {', '.join(MODES)}; got {a.modes!r}")
+    overrides = (QUICK_OVERRIDES if a.quick else []) + a.overrides
+    steps = a.steps or (2 if a.quick else None)
+    if steps:
+        overrides.append(f"trainer.total_steps={steps}")
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)  # inherited by the spawned trainers
+
+    cfg, config_path = base_config(a.config, overrides)
+    steps = cfg.trainer.total_steps
+    method, drafter, note = resolve_drafter(cfg)
+    out = Path(a.out)
+    for mode in modes:
+        shutil.rmtree(out / "bench_e2e" / mode, ignore_errors=True)  # metrics.jsonl appends: start clean
+    cfgs = {m: mode_config(cfg, m, method, drafter, out) for m in modes}
+    records = run_interleaved(cfgs, steps, a.threads)
+    if not a.keep_checkpoints:
+        for mode in modes:
+            for d in (out / "bench_e2e" / mode).glob("global_step_*"):
+                shutil.rmtree(d, ignore_errors=True)
+    res = summarize(records)
+    png = out / "e2e_curves.png"
+    plot_curves(records, png)
+
+    d, r, s = cfg.data, cfg.rollout, cfg.speculative
+    print(f"config={config_path or 'built-in defaults'} model={cfg.model.path}")
+    print(f"steps={steps} prompts/step={d.train_batch_size} n={r.n} max_response={d.max_response_length} "
+          f"temperature={r.temperature} threads={a.threads} (one process per mode, interleaved, order rotated)")
+    print(f"SD modes: method={method} ({note}); adaptive bs_threshold={s.bs_threshold}")
+    print("times: median over steps (min-max); speedup = off / mode on the same step; gen_tok_s = response tokens / "
+          "rollout s (SD samples other paths, so lengths differ by chance between modes)")
+    rows = [{"mode": m, **v} for m, v in res.items()]
+    print_table(rows, ["mode", "gen_s", "gen_spread", "gen_tok_s", "step_s", "step_spread", "gen_speedup", "gen_speedup_spread",
+                       "step_speedup", "step_speedup_spread", "accept_len", "sd_on"])
+    if "off" in res and len(res) > 1:
+        print("\nlearning vs off (per-response, pooled over steps; p > 0.05 = no detectable difference):")
+        lrows = [{"mode": m, "reward": v["reward"], "resp_len": v["resp_len"],
+                  "reward_mwu_p": v.get("scores_mwu_p"), "reward_ks_p": v.get("scores_ks_p"),
+                  "len_mwu_p": v.get("lengths_mwu_p"), "len_ks_p": v.get("lengths_ks_p"),
+                  "d_reward/step": v.get("reward_diff"),
+                  "95%CI": "[{:.3f}, {:.3f}]".format(*v["reward_diff_ci"]) if "reward_diff_ci" in v else None}
+                 for m, v in res.items()]
+        print_table(lrows, ["mode", "reward", "resp_len", "reward_mwu_p", "reward_ks_p", "len_mwu_p", "len_ks_p",
+                            "d_reward/step", "95%CI"])
+    best = max((v.get("step_speedup") or 0.0 for v in res.values()), default=0.0)
+    print(f"\ngoal: step time >= {STEP_SPEEDUP_GOAL}x faster than SD off; best median here {best:.2f}x "
+          f"({'met' if best >= STEP_SPEEDUP_GOAL else 'not met'}); curves: {png}")
+    print_json_line("e2e", {"config": config_path, "model": cfg.model.path, "steps": steps, "threads": a.threads,
+                            "train_batch_size": d.train_batch_size, "n": r.n,
+                            "max_response_length": d.max_response_length, "sd_method": method, "drafter": drafter,
+                            "drafter_note": note, "png": str(png), "modes": res,
+                            "goal": {"step_speedup": STEP_SPEEDUP_GOAL, "best": best,
+                                     "met": best >= STEP_SPEEDUP_GOAL}})
+    return 0

@@ -1,0 +1,130 @@
+"""Rollout-only benchmark over the long tail: one RL rollout of the default task, SD off / always / adaptive / n-gram.
+
+    tlt bench rollout [--prompts 8] [--n 4] [--max-tokens 256] [--repeats 1] [--threads 1] [--quick]
+
+One rollout = `--prompts` default-task chat prompts, `--n` samples each (GRPO groups), temperature 1, stopping at
+EOS or --max-tokens: the batch starts full and shrinks as responses finish, so its tail runs at small batch.
+Modes, all with the same seeds. Exact SD samples the same law but not the same paths, so response lengths (the
+work) differ between modes by chance: compare tokens/s (tok_x = tok_s / tok_s of off), not only wall time.
+    off       plain decoding
+    always    EAGLE, one fixed chain of --depth at every batch size (bs_threshold=None)
+    adaptive  EAGLE, SD gated on the running batch (--bs-threshold) with the bandit over the arm table
+    ngram     n-gram drafts only, at every batch size
+Drafter: --drafter, else the model's cached warm-up drafter; without one the EAGLE modes are skipped (said so).
+Repeats run the modes interleaved (A B C D A B C D ...). Reports wall time, tokens/s, accept length overall and
+per batch-size bucket, SD-on fraction and decode time split into bulk (SD gated off) and tail. Prints a table,
+then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import tlt
+from tlt.bench.common import default_task_prompt_ids, print_json_line, print_table
+
+MODES = ("off", "always", "adaptive", "ngram")
+
+
+def spec_configs(drafter: str | None, depth: int, bs_threshold: int | None) -> dict[str, dict | None]:
+    s: dict[str, dict | None] = {"off": None}
+    if drafter:
+        s["always"] = dict(method="eagle", model=drafter, bs_threshold=None, adaptive=False,
+                           num_speculative_tokens=depth)
+        s["adaptive"] = dict(method="eagle", model=drafter, **({} if bs_threshold is None else
+                                                               {"bs_threshold": bs_threshold}))
+    s["ngram"] = dict(method="ngram", bs_threshold=None, adaptive=False, num_speculative_tokens=depth)
+    return s
+
+
+def rollout_once(llm, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> dict:
+    from tlt.rl.rollout import sampling_params_for
+    params = sampling_params_for(len(prompts), n, 1.0, 1.0, -1, max_tokens, seed, first_prompt=0)
+    if llm.spec is not None:
+        llm.spec.reset_stats()
+    before = llm.stats()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, group_ids=list(range(len(prompts))))
+    wall = time.perf_counter() - t0
+    after = llm.stats()
+    lengths = [len(c.token_ids) for o in outs for c in o.outputs]
+    return {"wall_s": wall, "tokens": sum(lengths), "lengths": lengths,
+            "decode_steps": after["num_decode_steps"] - before["num_decode_steps"], "stats": after}
+
+
+def summarize(runs: list[dict]) -> dict:
+    walls = [r["wall_s"] for r in runs]
+    last = runs[-1]
+    st, lengths = last["stats"], sorted(last["lengths"])
+    wall = statistics.median(walls)
+    return {"wall_s": wall, "spread": f"{min(walls):.2f}-{max(walls):.2f}", "tokens": last["tokens"],
+            "tok_s": last["tokens"] / wall, "decode_steps": last["decode_steps"],
+            "len_p50": lengths[len(lengths) // 2], "len_max": lengths[-1],
+            "accept_len": st.get("spec_accept_length"), "sd_on": st.get("spec_on_fraction"),
+            "bulk_s": st.get("decode_time_bulk_s"), "tail_s": st.get("decode_time_tail_s"),
+            "accept_by_bucket": st.get("spec_accept_length_by_bucket"), "arm_counts": st.get("spec_arm_counts")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tlt bench rollout", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--drafter", default=None, help="drafter dir (default: the model's cached warm-up drafter)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt (group size)")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--bs-threshold", type=int, default=None, help="adaptive gate (default: SpecConfig's)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.prompts, a.n, a.max_tokens, a.repeats = 2, 2, 16, 1
+    torch.set_num_threads(a.threads)
+    from tlt.models import load_model, load_tokenizer
+    from tlt.models.smollm import default_model_path
+    model_dir = a.model or str(default_model_path())
+    model, tok = load_model(model_dir, dtype=torch.float32), load_tokenizer(model_dir)
+    drafter, note = a.drafter, f"drafter {a.drafter}"
+    if drafter is None:
+        from tlt.drafter_train.offline import drafter_cache_dir
+        cached = drafter_cache_dir(model_dir)
+        if (cached / "provenance.json").is_file():
+            drafter, note = str(cached), f"cached warm-up drafter {cached}"
+        else:
+            note = f"no warm-up drafter at {cached}: EAGLE modes skipped, n-gram only"
+    prompts = default_task_prompt_ids(tok, a.prompts, seed=a.seed)
+    wanted = a.modes.split(",")
+    configs = {m: c for m, c in spec_configs(drafter, a.depth, a.bs_threshold).items() if m in wanted}
+    max_len = max(map(len, prompts)) + a.max_tokens
+    llms = {m: tlt.LLM(model, tokenizer=tok, max_num_seqs=a.prompts * a.n, max_model_len=max_len, seed=a.seed,
+                       speculative_config=c) for m, c in configs.items()}
+    runs: dict[str, list[dict]] = {m: [] for m in configs}
+    for _ in range(a.repeats):
+        for m, llm in llms.items():
+            runs[m].append(rollout_once(llm, prompts, a.n, a.max_tokens, a.seed))
+    res = {m: summarize(r) for m, r in runs.items()}
+    base = res.get("off", {}).get("wall_s")
+    base_tok_s = res.get("off", {}).get("tok_s")
+    for v in res.values():
+        v["speedup"] = base / v["wall_s"] if base else None
+        v["tok_x"] = v["tok_s"] / base_tok_s if base_tok_s else None
+    print(f"model={model_dir} prompts={a.prompts} n={a.n} max_tokens={a.max_tokens} temperature=1.0 "
+          f"threads={a.threads} repeats={a.repeats} (median wall) | {note}")
+    print_table([{"mode": m, **v} for m, v in res.items()],
+                ["mode", "wall_s", "spread", "speedup", "tokens", "tok_s", "tok_x", "decode_steps", "len_p50", "len_max",
+                 "accept_len", "sd_on", "bulk_s", "tail_s"])
+    buckets = sorted({b for v in res.values() for b in (v["accept_by_bucket"] or {})}, key=str)
+    if buckets:
+        print("\naccept length per batch-size bucket:")
+        print_table([{"mode": m, **{str(b): (v["accept_by_bucket"] or {}).get(b) for b in buckets}}
+                     for m, v in res.items() if v["accept_by_bucket"]], ["mode", *map(str, buckets)])
+    print_json_line("rollout", {"model": model_dir, "prompts": a.prompts, "n": a.n, "max_tokens": a.max_tokens,
+                                "threads": a.threads, "repeats": a.repeats, "drafter": drafter, "drafter_note": note,
+                                "modes": res})
+    return 0
