@@ -51,11 +51,22 @@ class Drafter(nn.Module):
             mask = None if attn_mask is None else attn_mask[:, None]
         return self.layer(x, cos, sin, mask, cache, write_idx)
 
+    def draft_head(self) -> torch.Tensor:
+        """The LM-head rows of the draft vocabulary [V_draft, H]. Slicing copies, so the slice is cached and taken
+        again only when the target's head changes (an optimizer step bumps its version) or d2t changes."""
+        w = self.target.lm_head_weight
+        if self.d2t is None:
+            return w
+        key = (w.data_ptr(), w._version, self.d2t.data_ptr(), w.dtype)
+        if getattr(self, "_head_key", None) != key:
+            with torch.no_grad():
+                self._head = w[self.d2t].detach()
+            self._head_key = key
+        return self._head
+
     def logits(self, pred_hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits over the draft vocabulary ([..., V_draft], fp32); map ids back with `to_target_ids`."""
-        w = self.target.lm_head_weight
-        if self.d2t is not None:
-            w = w[self.d2t]
+        w = self.draft_head()
         return F.linear(pred_hidden.to(w.dtype), w).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
