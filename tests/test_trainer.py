@@ -150,7 +150,8 @@ def test_metrics_have_verl_names(tmp_path, tiny_dir):
                                          "rollout.recompute_logprobs": True, "actor.bf16_autocast": False,
                                          "trainer.logger": "[jsonl, tensorboard]"})
     lines = read_metrics(trainer)
-    assert [m["step"] for m in lines] == [1, 2]
+    assert [m["step"] for m in lines] == [0, 1, 2]  # step 0: validation before training (verl's val_before_train)
+    assert set(lines[0]) == {"step", "val/accuracy", "val/response_length/mean"}
     expected = {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/lr",
                 "critic/score/mean", "critic/score/max", "critic/score/min", "critic/advantages/mean",
                 "response_length/mean", "response_length/max", "response_length/min", "response_length/p50",
@@ -161,7 +162,7 @@ def test_metrics_have_verl_names(tmp_path, tiny_dir):
     missing = expected - set(lines[-1])
     assert not missing, f"missing metrics: {sorted(missing)}"
     # fp32 engine and fp32 trainer forward on the same weights: the engine's log-probs are the old policy's
-    assert lines[0]["rollout/logprob_max_diff"] < 1e-4
+    assert lines[1]["rollout/logprob_max_diff"] < 1e-4
     assert any(p.name.startswith("events") for p in (trainer.run_dir / "tensorboard").iterdir())
 
 
@@ -253,3 +254,111 @@ def test_two_process_data_parallel_keeps_ranks_identical(tmp_path, tiny_dir):
     moved = [k for k in r0 if not torch.equal(r0[k], single.model.state_dict()[k])]
     for k in moved:
         torch.testing.assert_close(r0[k], single.model.state_dict()[k], atol=2e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- speculative rollouts + online drafter
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_smoke_recipe_with_eagle_sd_and_online_drafter(tmp_path, monkeypatch, capsys):
+    """configs/smoke.yaml end to end through `tlt train`: eagle SD rollouts, the online drafter hook, checkpoint,
+    response lengths, the SD on/off comparison and the report."""
+    monkeypatch.chdir(REPO)  # the recipe's data paths are relative to the repository root
+    assert main(["configs/smoke.yaml", f"trainer.default_local_dir={tmp_path}", "trainer.logger=[jsonl]",
+                 "trainer.total_steps=3", "trainer.save_freq=-1", "trainer.test_freq=3"]) == 0
+    run_dir = tmp_path / "tlt" / "smoke"
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3]  # step 0: held-out accuracy before training
+    assert "val/accuracy" in lines[0] and "val/accuracy" in lines[-1]
+    steps = lines[1:]
+    assert all(m["critic/score/mean"] is not None and m["rollout/num_spec_steps"] > 0 for m in steps)
+    for key in ("drafter/steps", "drafter/train_time_s", "drafter/published", "drafter/version",
+                "drafter/buffer_tokens", "drafter/loss", "drafter/acc", "drafter/accept_proxy",
+                "rollout/spec_accept_length", "rollout/spec_on_fraction", "rollout/decode_time_tail_s"):
+        assert key in steps[-1], f"missing {key}"
+    assert any(k.startswith("rollout/spec_arm_counts/") for k in steps[-1])
+    # the drafter either advanced or a refusal was logged (published == 0 after training steps)
+    assert steps[-1]["drafter/version"] >= 1 or any(m["drafter/steps"] > 0 and m["drafter/published"] == 0
+                                                    for m in steps)
+    assert (run_dir / "global_step_3" / "model.safetensors").is_file()
+    assert (run_dir / "global_step_3" / "drafter" / "drafter.safetensors").is_file()
+    lengths = [json.loads(x) for x in (run_dir / "response_lengths.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lengths] == [1, 2, 3] and all(len(r["lengths"]) == 16 for r in lengths)
+    cmp = json.loads((run_dir / "sd_compare.json").read_text())
+    assert cmp["with_sd_s"] > 0 and cmp["without_sd_s"] > 0 and cmp["accept_length"] >= 0
+    assert (run_dir / "report.html").is_file() and summary["report"] == str(run_dir / "report.html")
+    assert summary["initial_val_accuracy"] is not None and summary["final_val_accuracy"] is not None
+
+
+def test_online_drafter_hook_state_round_trip(tmp_path, tiny_dir):
+    from tlt.drafter_train.online import OnlineDrafterHook
+    opts = {"speculative.enabled": True, "speculative.method": "eagle", "speculative.bs_threshold": 64,
+            "speculative.hysteresis_steps": 1, "drafter_train.min_buffer_tokens": 0, "drafter_train.batch_tokens": 128,
+            "drafter_train.window_len": 32, "drafter_train.holdout_fraction": 0.0, "trainer.total_steps": 2,
+            "trainer.save_freq": 2}
+    trainer = run(tmp_path / "a", tiny_dir, **opts)
+    hook = trainer.drafter_hook
+    assert isinstance(hook, OnlineDrafterHook) and hook.version == 2  # no held-out slice: every session publishes
+    assert trainer.llm.spec.drafter_version == 2
+    for k, v in hook.drafter.trainable_state_dict().items():  # the engine drafts with the published weights
+        torch.testing.assert_close(trainer.llm.spec.drafter.state_dict()[k], v)
+    state = hook.state_dict()
+    resumed = GRPOTrainer(load_config(None, make_overrides(tmp_path / "a", tiny_dir, **opts,
+                                                           **{"trainer.resume": "auto"})))
+    new = resumed.drafter_hook
+    assert resumed.start_step == 2 and new.version == 2 and new.trainer.total_steps == hook.trainer.total_steps
+    assert len(new.buffer) == 0  # the buffer is not checkpointed: it refills from the next rollouts
+    for k, v in state["drafter"].items():
+        torch.testing.assert_close(new.drafter.state_dict()[k], v)
+        torch.testing.assert_close(resumed.llm.spec.drafter.state_dict()[k], v)
+    opt_a, opt_b = hook.trainer.opt.state_dict()["state"], new.trainer.opt.state_dict()["state"]
+    assert opt_a.keys() == opt_b.keys() and all(torch.equal(opt_a[i]["exp_avg"], opt_b[i]["exp_avg"]) for i in opt_a)
+
+
+def test_online_drafter_refuses_a_worse_drafter(tmp_path, tiny_dir):
+    """A session whose held-out accuracy drops is rolled back and not published (refusal logged)."""
+    from tlt.drafter_train.online import OnlineDrafterHook
+
+    class AlwaysWorse(OnlineDrafterHook):
+        def train_session(self, step):
+            evaluate = self.trainer.evaluate
+            scores = iter([{"acc": 0.9, "accept_proxy": 2.0}, {"acc": 0.1, "accept_proxy": 1.0}])
+            self.trainer.evaluate = lambda batch, **kw: {**evaluate(batch), **next(scores)}
+            try:
+                return super().train_session(step)
+            finally:
+                self.trainer.evaluate = evaluate
+
+    cfg = load_config(None, make_overrides(tmp_path, tiny_dir, **{
+        "speculative.enabled": True, "speculative.method": "eagle", "drafter_train.min_buffer_tokens": 0,
+        "drafter_train.batch_tokens": 128, "drafter_train.window_len": 32, "drafter_train.holdout_fraction": 0.5,
+        "trainer.total_steps": 1}))
+    trainer = GRPOTrainer(cfg, drafter_hook=None)
+    trainer.drafter_hook = AlwaysWorse(cfg.drafter_train, trainer.llm.spec)
+    before = {k: v.clone() for k, v in trainer.llm.spec.drafter.trainable_state_dict().items()}
+    trainer.fit()
+    m = read_metrics(trainer)[-1]
+    assert m["drafter/steps"] > 0 and m["drafter/published"] == 0 and m["drafter/version"] == 0
+    after = trainer.llm.spec.drafter.trainable_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(before[k], v) for k, v in trainer.drafter_hook.drafter.trainable_state_dict().items())
+
+
+def test_default_config_ships_with_the_package():
+    from tlt.rl.trainer import DEFAULT_CONFIG
+    assert DEFAULT_CONFIG.is_file() and os.path.samefile(DEFAULT_CONFIG, os.path.join(REPO, "configs", "default.yaml"))
+    cfg = load_config(str(DEFAULT_CONFIG))
+    assert cfg.model.path is None and not cfg.data.train_files  # the default model and the default task
+    assert cfg.speculative.enabled and cfg.speculative.method == "eagle" and cfg.drafter_train.enabled
+
+
+@pytest.mark.slow
+def test_default_run_raises_heldout_accuracy(tmp_path, capsys):
+    """`tlt train` with no arguments (about 15 minutes on 2 CPU cores): held-out accuracy rises."""
+    assert main([f"trainer.default_local_dir={tmp_path}"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["final_val_accuracy"] > summary["initial_val_accuracy"]
+    assert (tmp_path / "tlt" / "default" / "report.html").is_file()

@@ -25,7 +25,7 @@ from tlt.config import Config, TrainerConfig, config_to_dict
 
 # Live figures shown on the progress bar: (metric, short label)
 BAR_FIELDS = (("critic/score/mean", "reward"), ("response_length/mean", "len"), ("timing_s/step", "step_s"),
-              ("val/accuracy", "val"))
+              ("val/accuracy", "val"), ("rollout/spec_accept_length", "accept"), ("drafter/version", "drafter_v"))
 
 
 class PhaseTimer:
@@ -56,7 +56,9 @@ class MetricsLogger:
         self.sinks = set(cfg.logger) if enabled else set()
         self.run_dir = Path(run_dir)
         self.bar = None
+        self.shown: dict[str, str] = {}  # live figures on the bar; a value stays until a newer one arrives
         self.jsonl = None
+        self.lengths = None  # response_lengths.jsonl: {"step", "lengths": [...]} per step (the report's box plot)
         self.tb = None
         self.wandb = None
         if not enabled:
@@ -66,6 +68,7 @@ class MetricsLogger:
             self.bar = tqdm(total=total_steps, initial=start_step, desc="rl steps", unit="step", dynamic_ncols=True)
         if "jsonl" in self.sinks:
             self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+            self.lengths = open(self.run_dir / "response_lengths.jsonl", "a")
         if "tensorboard" in self.sinks:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
@@ -78,11 +81,13 @@ class MetricsLogger:
             self.wandb = wandb.init(project=cfg.project_name, name=cfg.experiment_name, dir=str(self.run_dir),
                                     config=config_to_dict(full_config) if full_config else None, resume="allow")
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
+        """One step's metrics to every sink; advance=False logs without moving the bar (step 0: before training)."""
         if self.bar is not None:
-            shown = {label: f"{metrics[k]:.3g}" for k, label in BAR_FIELDS if k in metrics}
-            self.bar.set_postfix(shown, refresh=False)
-            self.bar.update(1)
+            self.shown.update({label: f"{metrics[k]:.3g}" for k, label in BAR_FIELDS if k in metrics})
+            self.bar.set_postfix(self.shown, refresh=not advance)
+            if advance:
+                self.bar.update(1)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}) + "\n")
             self.jsonl.flush()
@@ -92,6 +97,11 @@ class MetricsLogger:
             self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
+
+    def log_lengths(self, step: int, lengths: list[int]) -> None:
+        if self.lengths is not None:
+            self.lengths.write(json.dumps({"step": step, "lengths": lengths}) + "\n")
+            self.lengths.flush()
 
     def write(self, text: str) -> None:
         """A console line that does not break the progress bar."""
@@ -105,6 +115,7 @@ class MetricsLogger:
             self.bar.close()
         if self.jsonl is not None:
             self.jsonl.close()
+            self.lengths.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:

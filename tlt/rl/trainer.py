@@ -1,6 +1,6 @@
 """GRPO-family RL trainer: rollout (tlt.LLM, optionally speculative) -> reward -> advantages -> policy update.
 
-    tlt train                                          # the embedded default task and model
+    tlt train                                          # the out-of-the-box run: tlt/configs/default.yaml
     tlt train configs/smoke.yaml                       # one-minute run on a tiny random model (no downloads)
     tlt train configs/smoke.yaml rollout.n=8 trainer.total_steps=4
     torchrun --nproc_per_node 2 -m tlt train configs/smoke.yaml      # data parallel (gloo on CPU, NCCL on GPU)
@@ -16,8 +16,11 @@ logs the difference. The trainer keeps fp32 master weights (model.dtype=auto mea
 of ~1e-6 vanish in bf16 weights), so the engine decodes in fp32 too; actor.bf16_autocast speeds up the
 trainer's own forward/backward where bf16 is fast (GPU, or CPUs with native bf16).
 
-Outputs go to <trainer.default_local_dir>/<project_name>/<experiment_name>/: metrics.jsonl, tensorboard/,
-global_step_N/ checkpoints (tlt.rl.checkpoint); trainer.resume=auto continues from the latest one exactly.
+Outputs go to <trainer.default_local_dir>/<project_name>/<experiment_name>/: metrics.jsonl (step 0 = held-out
+accuracy before training), response_lengths.jsonl, tensorboard/, global_step_N/ checkpoints (tlt.rl.checkpoint,
+with the online drafter in drafter/); trainer.resume=auto continues from the latest one exactly. At the end `tlt
+train` times the final rollout with SD off and on (sd_compare.json) and writes report.html (tlt.rl.run_summary).
+With eagle SD and one rollout worker the drafter trains online in this process (tlt.drafter_train.online).
 model.path=tiny-random builds a tiny random Llama once (tlt.rl.tiny_model); model.path=null is the default
 SmolLM2 model. Under torchrun each rank rolls out train_batch_size / world_size prompts; gradients are summed
 over ranks with losses normalised by global token counts, so N ranks take the same step as one process.
@@ -48,6 +51,8 @@ from tlt.rl.rollout import ActorBatch, RolloutBatch, generate_rollouts, rollout_
 
 MAX_GEN_BATCHES = 4  # DAPO dynamic sampling: rollout rounds per step before training on what was kept
 TINY_RANDOM = "tiny-random"
+DEFAULT_TRAIN_SIZE, DEFAULT_VAL_SIZE = 2048, 64  # default task files when tlt.tasks has no default_datasets()
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"  # `tlt train` with no CONFIG
 
 
 class DrafterHook:
@@ -346,27 +351,51 @@ class GRPOTrainer:
 # ---------------------------------------------------------------- command line
 
 
+def write_default_datasets(out_dir: str | Path, n_train: int = DEFAULT_TRAIN_SIZE, n_val: int = DEFAULT_VAL_SIZE,
+                           seed: int = 0) -> tuple[Path, Path]:
+    """train.jsonl / val.jsonl of the default task (verl rows), written once into out_dir."""
+    from tlt.tasks.default_task import make_examples
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for split, n in (("train", n_train), ("val", n_val)):
+        path = out_dir / f"{split}.jsonl"
+        if not path.is_file():
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in make_examples(split, n, seed)))
+            os.replace(tmp, path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def _on_main(info: DistInfo, fn):
+    """fn() on rank 0 only; its (picklable) result is broadcast to every rank."""
+    box = [fn() if info.is_main else None]
+    if info.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def prepare_config(cfg: Config, info: DistInfo) -> None:
-    """Resolve model.path (null = default model, tiny-random = the built-in tiny model) and default data files."""
+    """Resolve model.path (null = default model, tiny-random = the built-in tiny model), the default data files and
+    the default drafter (default model + eagle + speculative.model=null: the cached warm-up drafter)."""
     if not cfg.data.train_files:
         import tlt.tasks.default_task as default_task
-        make = getattr(default_task, "default_datasets", None)
-        if make is None:
-            raise ConfigError("data.train_files is empty and the default task has no default_datasets() yet: "
-                              "pass data.train_files=path/to/train.parquet (e.g. written by `tlt data --out DIR`)")
         out_dir = Path(cfg.trainer.default_local_dir) / "data" / "default_task"
-        paths = [make(str(out_dir)) if info.is_main else None]  # written once, by rank 0
-        if info.world_size > 1:
-            dist.broadcast_object_list(paths, src=0)
-        train_path, val_path = paths[0]
+        make = getattr(default_task, "default_datasets", None) or write_default_datasets
+        train_path, val_path = _on_main(info, lambda: make(str(out_dir)))  # written once, by rank 0
         cfg.data.train_files = [str(train_path)]
         cfg.data.val_files = cfg.data.val_files or [str(val_path)]
     if cfg.model.path is None:
         from tlt.models.smollm import default_model_path
         try:
-            cfg.model.path = str(default_model_path())
+            cfg.model.path = str(_on_main(info, default_model_path))
         except (FileNotFoundError, ImportError) as e:
             raise ConfigError(f"model.path is null (the default model) but it is not available: {e}") from None
+        s = cfg.speculative
+        if s.enabled and s.method == "eagle" and s.model is None:
+            from tlt.drafter_train.offline import default_drafter_path  # built once (~2 min on CPU), then cached
+            s.model = str(_on_main(info, lambda: default_drafter_path(cfg.model.path)))
     elif cfg.model.path == TINY_RANDOM:
         from tlt.rl.tiny_model import tiny_random_model_path
         if info.is_main:
@@ -383,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     config_path = argv[0] if argv and "=" not in argv[0] else None
     overrides = argv[1:] if config_path else argv
+    config_path = config_path or str(DEFAULT_CONFIG)  # no CONFIG: the out-of-the-box recipe
     info = init_distributed()
     try:
         cfg = load_config(config_path, overrides)
@@ -395,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     summary = trainer.fit()
     if info.is_main:
-        print(json.dumps(summary), flush=True)
+        from tlt.rl.run_summary import finish_run
+        print(json.dumps(finish_run(trainer, summary)), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -1,0 +1,142 @@
+"""Online drafter training inside the single-process RL loop (no Ray): the trainer's DrafterHook.
+
+Every RL step the rollout's target hidden states (kept by the engine, design doc section 3) go into the
+step-tagged DrafterBuffer. Every `drafter_train.every_k_steps` steps, once the buffer holds
+`min_buffer_tokens`, one training session runs after the policy update, on a training copy of the engine's
+drafter: evaluate the published weights on a held-out slice, take a bounded number of drafter steps, evaluate
+again, and publish into the running engine (`llm.spec.load_drafter_state`) only if held-out accuracy did not drop
+(`should_publish`); a refused session is rolled back. Exactness of speculative decoding never depends on the
+drafter, so publishing between steps is always safe.
+
+Budget of a session: by default one pass over the loss tokens that arrived since the previous session
+(ceil(new_tokens / batch_tokens) drafter steps), optionally capped by `max_steps` and `max_seconds`. A single
+process has no idle replicas, so this time is paid on top of the RL step; it is logged as drafter/train_time_s.
+
+The hook's checkpoint state is the published drafter weights, the optimiser and the counters. The buffer is
+NOT saved (hidden states are large and stale after a resume): it refills from the next rollouts.
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tlt.config import DrafterTrainConfig
+from tlt.drafter_train.buffer import DrafterBuffer
+from tlt.drafter_train.packing import PackedBatch
+from tlt.drafter_train.trainer import DrafterTrainer, should_publish
+from tlt.engine.outputs import RequestOutput
+from tlt.rl.rollout import RolloutBatch
+from tlt.rl.trainer import DrafterHook
+from tlt.spec.drafter import Drafter
+from tlt.spec.drafter_io import save_drafter
+
+HELDOUT_BATCHES = 4  # held-out evaluation uses at most this many packed rows of batch_tokens (newest samples)
+
+
+class OnlineDrafterHook(DrafterHook):
+    wants_hidden_states = True
+
+    def __init__(self, cfg: DrafterTrainConfig, spec, seed: int = 0, max_steps: int | None = None,
+                 max_seconds: float | None = None, ckpt_dir: str | None = None):
+        """spec: the engine's SpecDecoder (`llm.spec`) whose drafter is trained and replaced."""
+        if spec is None or spec.drafter is None:
+            raise ValueError("online drafter training needs an engine with an EAGLE drafter "
+                             "(speculative.enabled=true, speculative.method=eagle)")
+        self.cfg, self.spec = cfg, spec
+        self.max_steps, self.max_seconds = max_steps, max_seconds
+        engine_drafter = spec.drafter
+        self.drafter = Drafter(engine_drafter.cfg).attach(engine_drafter.target)
+        self.drafter.to(next(engine_drafter.parameters()).device, torch.float32)
+        self.drafter.load_state_dict(engine_drafter.state_dict(), strict=False)
+        self.drafter.d2t = engine_drafter.d2t  # reduced draft vocabulary (not in the state dict)
+        self.trainer = DrafterTrainer(self.drafter, lr=cfg.lr, batch_tokens=cfg.batch_tokens, seed=seed,
+                                      ckpt_dir=ckpt_dir, ckpt_every=cfg.ckpt_every if ckpt_dir else 0)
+        holdout_every = round(1 / cfg.holdout_fraction) if cfg.holdout_fraction > 0 else 0
+        self.buffer = DrafterBuffer(cfg.buffer_max_tokens, cfg.window_len,
+                                    offset_frac=0.5 if cfg.offset_sampling else 0.0, holdout_every=holdout_every)
+        self.version = 0             # sessions published so far
+        self.new_tokens = 0          # loss tokens added since the last session
+        self.last_train: dict[str, float] = {}
+
+    # ---- the hook ----------------------------------------------------------------------------------------
+    def after_rollout(self, step: int, rollout: RolloutBatch, outputs: list[RequestOutput]) -> dict[str, float]:
+        self.add_outputs(step, outputs)
+        metrics = {"drafter/steps": 0.0, "drafter/train_time_s": 0.0, "drafter/published": 0.0}
+        if step % self.cfg.every_k_steps == 0 and self.buffer.num_train_tokens() >= self.cfg.min_buffer_tokens:
+            metrics.update(self.train_session(step))
+        metrics |= self.last_train  # loss/acc of the latest session, so the curves have a value every step
+        metrics.update({"drafter/version": float(self.version), "drafter/buffer_tokens": float(self.buffer.num_tokens)})
+        return metrics
+
+    def add_outputs(self, step: int, outputs: list[RequestOutput]) -> None:
+        """Every response's hidden states: hidden[i] produced response token i, i.e. is h at position P-1+i."""
+        before = self.buffer.num_train_tokens()
+        for out in outputs:
+            prompt = list(out.prompt_token_ids)
+            for completion in out.outputs:
+                if completion.hidden_states is None or not completion.token_ids:
+                    continue
+                self.buffer.add(prompt + list(completion.token_ids), completion.hidden_states,
+                                response_start=len(prompt), rl_step=step, hidden_start=len(prompt) - 1)
+        self.new_tokens += max(self.buffer.num_train_tokens() - before, 0)
+
+    def session_steps(self) -> int:
+        steps = max(1, math.ceil(self.new_tokens / self.cfg.batch_tokens))
+        return min(steps, self.max_steps) if self.max_steps is not None else steps
+
+    def train_session(self, step: int) -> dict[str, float]:
+        """Train, evaluate old vs new on the held-out slice, publish or roll back. Returns drafter/* metrics."""
+        t0 = time.perf_counter()
+        heldout = self.heldout()
+        old = self.trainer.evaluate(heldout) if heldout is not None else None
+        snapshot = {k: v.clone() for k, v in self.drafter.trainable_state_dict().items()}
+        deadline = None if self.max_seconds is None else t0 + self.max_seconds
+        stats = self.trainer.train_steps(self.buffer, self.session_steps(), step=step,
+                                         stop_flag=None if deadline is None else lambda: time.perf_counter() > deadline)
+        new = self.trainer.evaluate(heldout) if heldout is not None else None
+        publish = stats.steps > 0 and (new is None or should_publish(new, old))
+        if publish:
+            self.spec.load_drafter_state(self.drafter.trainable_state_dict())
+            self.version += 1
+        else:
+            self.drafter.load_state_dict(snapshot, strict=False)  # refused: keep training from the published one
+        self.new_tokens = 0
+        out = {"drafter/steps": float(stats.steps), "drafter/published": float(publish),
+               "drafter/train_time_s": time.perf_counter() - t0}
+        if stats.last is not None:
+            self.last_train = {"drafter/loss": stats.last.loss, "drafter/acc": stats.last.acc}
+        if new is not None:
+            self.last_train |= {"drafter/eval_acc": new["acc"], "drafter/accept_proxy": new["accept_proxy"],
+                                "drafter/eval_acc_old": old["acc"], "drafter/accept_proxy_old": old["accept_proxy"]}
+        return out
+
+    def heldout(self) -> PackedBatch | None:
+        return self.buffer.heldout_batch(self.cfg.batch_tokens, HELDOUT_BATCHES * self.cfg.batch_tokens)
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Published drafter weights, optimiser and counters; the buffer is dropped (it refills on resume)."""
+        self.trainer.checkpointer.wait()
+        published = {k: v.detach().to("cpu", copy=True) for k, v in self.spec.drafter.trainable_state_dict().items()}
+        return {"drafter": published, "optimizer": self.trainer.opt.state_dict(), "version": self.version,
+                "drafter_steps": self.trainer.total_steps, "generator": self.trainer.generator.get_state(),
+                "last_train": dict(self.last_train)}
+
+    def export(self, out_dir: Path) -> None:
+        """The drafter the engine uses, in tlt.spec.drafter_io's layout (`export_eagle` converts it for serving)."""
+        save_drafter(self.spec.drafter, out_dir, extra={"version": self.version,
+                                                        "drafter_steps": self.trainer.total_steps})
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        self.drafter.load_state_dict(state["drafter"], strict=False)
+        self.spec.load_drafter_state(state["drafter"])
+        self.trainer.opt.load_state_dict(state["optimizer"])
+        self.trainer.generator.set_state(state["generator"])
+        self.version, self.trainer.total_steps = state["version"], state["drafter_steps"]
+        self.last_train = dict(state["last_train"])

@@ -1,0 +1,78 @@
+"""The end of `tlt train`: time the final rollout with speculation off and on, write the run report, print a summary.
+
+`compare_sd` re-runs the final step's rollout prompts with the same sampling params (same seeds) twice, on the
+trained policy: once on a plain engine built on the same weights (no SD) and once on the training engine (adaptive
+SD with the current drafter and the bandit as it ended the run). Both are exact samplers of the same policy, so
+the responses have the same distribution; with sampling they are not token-identical (SD consumes randomness
+differently), which is why the figure compares seconds and tokens per second, not a diff.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+def compare_sd(trainer) -> dict[str, Any] | None:
+    """{with_sd_s, without_sd_s, speedup, accept_length, ...} for the final rollout, or None without SD."""
+    from tlt.llm import LLM
+    if trainer.llm.spec is None or trainer.last_rollout is None:
+        return None
+    prompts, params = trainer.last_rollout
+    params = [dataclasses.replace(p, return_hidden_states=False) for p in params]
+    ids = [ex.prompt_ids for ex in prompts]
+    d = trainer.cfg.data
+    plain = LLM(model=trainer.model, tokenizer=trainer.tokenizer, max_num_seqs=trainer.cfg.rollout.max_num_seqs,
+                max_model_len=d.max_prompt_length + d.max_response_length, seed=trainer.cfg.trainer.seed)
+
+    def timed(llm) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompt_token_ids=ids, sampling_params=params)
+        return time.perf_counter() - t0, sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+    without_s, without_tokens = timed(plain)
+    trainer.llm.spec.reset_stats()
+    with_s, with_tokens = timed(trainer.llm)
+    spec = trainer.llm.spec.stats()
+    return {"with_sd_s": round(with_s, 3), "without_sd_s": round(without_s, 3),
+            "speedup": round(without_s / max(with_s, 1e-9), 3),
+            "tokens_per_s_with_sd": round(with_tokens / max(with_s, 1e-9), 1),
+            "tokens_per_s_without_sd": round(without_tokens / max(without_s, 1e-9), 1),
+            "num_prompts": len(ids), "n": params[0].n if params else 0,
+            "tokens_with_sd": with_tokens, "tokens_without_sd": without_tokens,
+            "accept_length": round(spec["spec_accept_length"], 3), "spec_on_fraction": round(spec["spec_on_fraction"], 3),
+            "accept_length_by_bucket": spec["spec_accept_length_by_bucket"], "arm_counts": spec["spec_arm_counts"],
+            "drafter_version": trainer.llm.spec.drafter_version}
+
+
+def finish_run(trainer, summary: dict[str, Any]) -> dict[str, Any]:
+    """sd_compare.json, report.html, and the closing lines on the console; returns the summary with extras added."""
+    from tlt.report import make_report
+    cfg, run_dir = trainer.cfg, Path(trainer.run_dir)
+    cmp = compare_sd(trainer)
+    if cmp is not None:
+        (run_dir / "sd_compare.json").write_text(json.dumps(cmp, indent=2) + "\n")
+        summary |= {"sd_speedup": cmp["speedup"], "sd_accept_length": cmp["accept_length"]}
+    recipe = {"model": Path(cfg.model.path).name, "total_steps": cfg.trainer.total_steps,
+              "train_batch_size": cfg.data.train_batch_size, "rollout.n": cfg.rollout.n, "actor.lr": cfg.actor.lr,
+              "max_response_length": cfg.data.max_response_length, "val_prompts": len(trainer.val_examples),
+              "drafter_lr": cfg.drafter_train.lr if summary.get("drafter_version") is not None else None}
+    summary |= {"recipe": recipe}
+    report = make_report(run_dir, summary)
+    summary["report"] = str(report)
+
+    lines = [f"tlt train: {summary['steps']} steps in {summary['wall_s']:.0f} s ({run_dir})"]
+    before, after = summary.get("initial_val_accuracy"), summary.get("final_val_accuracy")
+    if before is not None and after is not None:
+        lines.append(f"  held-out accuracy (greedy, {len(trainer.val_examples)} prompts): {before:.3f} -> {after:.3f}")
+    lines.append("  recipe: " + ", ".join(f"{k}={v}" for k, v in recipe.items() if v is not None))
+    if summary.get("drafter_version") is not None:
+        lines.append(f"  drafter: {summary['drafter_version']:.0f} versions published online")
+    if cmp is not None:
+        lines.append(f"  final rollout without SD {cmp['without_sd_s']:.1f} s, with adaptive SD {cmp['with_sd_s']:.1f} s "
+                     f"({cmp['speedup']:.2f}x), accept length {cmp['accept_length']:.2f}")
+    lines.append(f"  report: {report}")
+    print("\n".join(lines), flush=True)
+    return summary
