@@ -100,3 +100,21 @@ def test_replica_death_reruns_groups(ray_local, tiny_llama_dir):
         assert len(outs) == 4 and all(len(o.outputs) == 2 for o in outs)
     finally:
         rollout.close()
+
+
+def test_trainer_over_ray_replicas_trains_and_harvests(tmp_path, monkeypatch, capsys):
+    """`tlt train configs/smoke.yaml trainer.use_ray=true trainer.num_rollout_workers=2`: rollouts on two Ray
+    replicas, the idle one trains the drafter, spot metrics are logged, the policy still learns from the rollouts."""
+    import json
+    from pathlib import Path
+
+    from tlt.rl.trainer import main
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    assert main(["configs/smoke.yaml", f"trainer.default_local_dir={tmp_path}", "trainer.logger=[jsonl]",
+                 "trainer.use_ray=true", "trainer.num_rollout_workers=2", "trainer.total_steps=2",
+                 "trainer.save_freq=-1", "trainer.test_freq=-1", "drafter_train.min_buffer_tokens=16"]) == 0
+    steps = [json.loads(x) for x in (tmp_path / "tlt" / "smoke" / "metrics.jsonl").read_text().splitlines()]
+    last = steps[-1]
+    assert last["step"] == 2 and last["critic/score/mean"] is not None
+    assert last["spot/num_dead_replicas"] == 0 and "spot/barrier_delay_steps" in last
+    assert max(m.get("spot/drafter_version", 0) for m in steps) >= 1

@@ -144,6 +144,7 @@ class GRPOTrainer:
                        max_model_len=d.max_prompt_length + d.max_response_length, seed=t.seed,
                        speculative_config=self._speculative_config())
         self.drafter_hook = drafter_hook or self._default_drafter_hook()
+        self.rollout_engine = self._rollout_engine()  # self.llm, or rollout replicas with spot drafter training
         self.last_rollout: tuple[list, list] | None = None  # (prompts, sampling params) of the latest rollout
         self.start_step = self._resume(resume_dir) if resume_dir else 0
         self.logger = MetricsLogger(t, self.run_dir, t.total_steps, self.start_step, self.dist.is_main, cfg)
@@ -183,6 +184,8 @@ class GRPOTrainer:
             self.logger.log(step, metrics)
             self.logger.log_lengths(step, sum(gather(rollout.response_lengths, self.dist), []))
         self.logger.close()
+        if self.rollout_engine is not self.llm:
+            self.rollout_engine.close()
         return {"steps": t.total_steps, "start_step": self.start_step, "wall_s": round(time.perf_counter() - start, 2),
                 "final_score_mean": metrics.get("critic/score/mean"),
                 "initial_val_accuracy": initial_val.get("val/accuracy"), "final_val_accuracy": metrics.get("val/accuracy"),
@@ -214,7 +217,12 @@ class GRPOTrainer:
                                          return_hidden_states=self.drafter_hook.wants_hidden_states)
             first_group = attempt * self.cfg.data.train_batch_size + rank * per
             with timer("gen"):
-                batch, outs = generate_rollouts(self.llm, prompts, params, first_group)
+                if self.rollout_engine is not self.llm:  # replicas hold their own copy of the policy
+                    self.rollout_engine.set_policy_weights(self.model.state_dict())
+                    self.rollout_engine.rl_step = step
+                batch, outs = generate_rollouts(self.rollout_engine, prompts, params, first_group)
+                if self.rollout_engine is not self.llm:
+                    reward_metrics.append(self.rollout_engine.last_report.metrics())
             self.last_rollout = (prompts, params)
             with timer("reward"):
                 result = self.rewards.score(batch.examples, batch.texts)
@@ -297,6 +305,21 @@ class GRPOTrainer:
         keys = ("method", "num_speculative_tokens", "bs_threshold", "hysteresis_steps", "adaptive", "draft_topk",
                 "num_draft_tokens", "device_profile", "epsilon", "window")
         return {**{k: getattr(s, k) for k in keys}, "model": drafter, "seed": self.cfg.trainer.seed}
+
+    def _rollout_engine(self):
+        """trainer.num_rollout_workers > 1 (or use_ray): rollout replicas as Ray actors whose idle ones train the
+        drafter (tlt/workers); otherwise the in-process engine over the very weights being trained."""
+        t = self.cfg.trainer
+        if not t.use_ray and t.num_rollout_workers <= 1:
+            return self.llm
+        from tlt.workers.ray_rollout import SpotRollout
+        from tlt.workers.rollout_worker import ReplicaConfig
+        from tlt.workers.spot import SpotConfig
+        rcfg = ReplicaConfig.from_config(self.cfg)
+        rcfg.speculative = self._speculative_config()
+        gpu = {"num_gpus": 1} if self.device.type == "cuda" else None
+        return SpotRollout(self.model, max(t.num_rollout_workers, 1), rcfg, SpotConfig.from_config(self.cfg),
+                           actor_options=gpu, tokenizer=self.tokenizer)
 
     def _default_drafter_hook(self) -> DrafterHook:
         """Online drafter training in this process for eagle SD with one rollout worker; otherwise none (the Ray

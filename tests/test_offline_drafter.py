@@ -1,0 +1,96 @@
+"""`tlt train-drafter` end to end on a tiny random model: generate, train, save; drafter_io loads it back,
+provenance is written, held-out loss goes down; the cached default drafter is built once, atomically."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import make_tiny_checkpoint
+from tlt.drafter_train import offline
+from tlt.models import load_model
+from tlt.spec.drafter_io import load_drafter
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model dir, jsonl of token-id prompts): the tiny checkpoint has no tokenizer, so prompts are ids."""
+    root = tmp_path_factory.mktemp("offline")
+    model_dir = make_tiny_checkpoint(root / "tiny", "llama", vocab_size=128, hidden_size=64)
+    g = torch.Generator().manual_seed(0)
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt_token_ids": torch.randint(1, 128, (int(n),), generator=g).tolist()})
+                            + "\n" for n in torch.randint(4, 12, (24,), generator=g)))
+    return model_dir, str(data)
+
+
+ARGS = ["--num-prompts", "24", "--max-tokens", "24", "--batch-tokens", "128", "--window-len", "32",
+        "--num-rows", "2", "--holdout-every", "4", "--lr", "3e-3", "--amp", "none", "--dtype", "float32"]
+
+
+def test_train_drafter_end_to_end(tiny, tmp_path, capsys):
+    model_dir, data = tiny
+    out = tmp_path / "drafter"
+    argv = [f"model={model_dir}", f"data={data}", f"out={out}", "steps=30", "draft_vocab=64", *ARGS]
+    assert offline.main(argv) == 0
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["command"].startswith("tlt train-drafter model=")
+    assert prov["num_prompts"] == 24 and prov["num_samples"] == 24 and prov["steps"] == 30
+    assert prov["num_response_tokens"] == 24 * 24  # random model, no EOS: every response runs to max_tokens
+    assert len(prov["target_config_sha256"]) == 64 and prov["tlt_version"]
+    before, after = prov["metrics_before"], prov["metrics"]
+    assert after["loss"] < before["loss"] and after["hidden_loss"] < 0.95 * before["hidden_loss"]
+    assert 1.0 <= after["accept_proxy"] <= 9.0
+    target = load_model(model_dir)
+    drafter = load_drafter(out).attach(target)
+    assert drafter.d2t is not None and drafter.d2t.numel() == 64
+    with torch.no_grad():
+        pred = drafter(torch.randn(1, 3, 64), torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5, 6]]))
+    assert torch.isfinite(drafter.logits(pred)).all()
+    assert "accept_proxy" in capsys.readouterr().out
+
+
+def test_key_value_and_flag_spellings_agree():
+    a = offline.parse_args(["num_prompts=5", "temperatures=1.0,0.6", "--lr", "0.01"])
+    b = offline.parse_args(["--num-prompts", "5", "--temperatures", "1.0,0.6", "lr=0.01"])
+    assert a == b and a.num_prompts == 5 and a.lr == 0.01
+    with pytest.raises(SystemExit):
+        offline.parse_args(["no_such_option=1"])
+
+
+def test_default_drafter_path_builds_once(tiny, tmp_path, monkeypatch):
+    model_dir, data = tiny
+    monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
+    build = dict(data=data, num_prompts=8, max_tokens=8, steps=2, draft_vocab=0, batch_tokens=64, window_len=16,
+                 holdout_every=4, amp="none", dtype="float32", temperatures="1.0,0.5", threads=1)
+    monkeypatch.setattr(offline, "DEFAULT_BUILD", build)
+    path = offline.default_drafter_path(model_dir)
+    assert path == tmp_path / "cache" / "drafters" / "tiny"
+    assert (path / "drafter.safetensors").is_file() and (path / "provenance.json").is_file()
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # temp dir renamed away
+    assert json.loads((path / "provenance.json").read_text())["num_samples"] == 16  # 8 prompts x 2 temperatures
+    stamp = (path / "provenance.json").stat().st_mtime_ns
+    assert offline.default_drafter_path(model_dir) == path  # cached: not rebuilt
+    assert (path / "provenance.json").stat().st_mtime_ns == stamp
+
+
+class FakeChatTokenizer:
+    """Enough of a tokenizer for load_prompts: a chat template and character-code ids."""
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def __call__(self, text, add_special_tokens):
+        return {"input_ids": [ord(c) % 128 for c in text]}
+
+
+def test_verl_rows_get_the_chat_template(tmp_path):
+    rows = [{"data_source": "x", "prompt": [{"role": "user", "content": f"q{i}"}],
+             "reward_model": {"style": "rule", "ground_truth": "1"}} for i in range(3)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ids, source = offline.load_prompts(offline.OfflineConfig(data=str(path), num_prompts=2), FakeChatTokenizer())
+    assert source == str(path) and len(ids) == 2
+    assert ids[1] == [ord(c) % 128 for c in "<user>q1<assistant>"]
+    with pytest.raises(ValueError, match="no tokenizer"):
+        offline.load_prompts(offline.OfflineConfig(data=str(path)), None)
