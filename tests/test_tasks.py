@@ -166,3 +166,15 @@ def test_convert_gsm8k_rejects_bad_answer(tmp_path):
     bad.write_text(json.dumps({"question": "q", "answer": "no marker"}) + "\n")
     with pytest.raises(ValueError, match="####"):
         conv.convert(bad, tmp_path / "out")
+
+
+def test_default_task_rows_are_scored_by_the_task_scorer():
+    """tlt/<generator> data sources route to the task's own scorer (prefix registration), not generic math."""
+    from tlt.rl.rewards import get_reward_fn
+    from tlt.tasks.default_task import make_examples, score
+    row = next(make_examples("train", 1, 0))
+    fn = get_reward_fn(row["data_source"])
+    assert fn.fn is score
+    truth = row["reward_model"]["ground_truth"]
+    assert fn.fn(row["data_source"], f"work...\nAnswer: {truth}", truth, row["extra_info"]) == 1.0
+    assert get_reward_fn("openai/gsm8k").name == "default"

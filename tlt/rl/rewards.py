@@ -72,7 +72,8 @@ def detect_shape(fn: Callable[..., Any]) -> Shape:
 
 
 def register_reward(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: use this function for rows whose data_source is `name` ("default" = the fallback)."""
+    """Decorator: use this function for rows whose data_source is `name` ("default" = the fallback; a name ending
+    in "*" matches every data_source with that prefix, e.g. "tlt/*")."""
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         if name in _REGISTRY and _REGISTRY[name].fn is not fn:
             logger.warning("reward for data_source '%s' re-registered: %s replaces %s", name, fn, _REGISTRY[name].fn)
@@ -82,7 +83,12 @@ def register_reward(name: str) -> Callable[[Callable[..., Any]], Callable[..., A
 
 
 def get_reward_fn(data_source: str) -> RewardFn:
-    return _REGISTRY.get(data_source) or _REGISTRY["default"]
+    """Exact name, else the longest matching "prefix*" registration, else "default"."""
+    import tlt.tasks.default_task  # noqa: F401  registers the embedded task's scorer ("tlt/*")
+    if data_source in _REGISTRY:
+        return _REGISTRY[data_source]
+    prefixes = [k for k in _REGISTRY if k.endswith("*") and data_source.startswith(k[:-1])]
+    return _REGISTRY[max(prefixes, key=len)] if prefixes else _REGISTRY["default"]
 
 
 def load_custom_function(spec: str) -> RewardFn:

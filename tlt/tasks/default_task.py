@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Iterator
 
+from tlt.rl.rewards import register_reward
+
 
 @dataclass(frozen=True)
 class Level:
@@ -150,6 +152,7 @@ def _scorer(generator: str) -> Callable[[str | None, dict], float]:
     return reasoning_gym.get_score_answer_fn(generator)
 
 
+@register_reward("tlt/*")
 def score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
     """verl compute_score: reward in [0, 1] of one response, by the generator's reasoning-gym scorer."""
     generator = (extra_info or {}).get("generator") or data_source.removeprefix("tlt/")
