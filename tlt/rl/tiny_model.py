@@ -9,10 +9,10 @@ use it; it learns nothing useful, it only exercises the whole pipeline in second
 from __future__ import annotations
 
 import os
-import shutil
 import string
-import tempfile
 from pathlib import Path
+
+from tlt.cache import build_atomically, cache_root
 
 TINY_MODEL_NAME = "tiny-random"
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -56,23 +56,8 @@ def build_tiny_model(out_dir: str | os.PathLike, hidden_size: int = 64, num_laye
 
 def tiny_random_model_path() -> Path:
     """The cached tiny model directory; built on first use, atomically (temp sibling + rename)."""
-    root = os.environ.get("TLT_CACHE")
-    out = (Path(root).expanduser() if root else Path.home() / ".cache" / "tlt") / "tiny-random-llama"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-random-llama.tmp-", dir=out.parent))
-    try:
-        build_tiny_model(tmp)
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not (out / "model.safetensors").is_file():  # not a concurrent builder that won the race
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    done = lambda p: (p / "config.json").is_file() and (p / "model.safetensors").is_file()  # noqa: E731
+    return build_atomically(cache_root() / "tiny-random-llama", build_tiny_model, done)
 
 
 if __name__ == "__main__":

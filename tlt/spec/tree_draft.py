@@ -45,7 +45,6 @@ def draft_tree(drafter: Drafter, dcache, root_tokens: torch.Tensor, root_pred: t
     anc = torch.zeros(B, topk, 0, dtype=torch.bool, device=dev)
     flat_tok, flat_score = tok[:, 0], val[:, 0]
     for level in range(2, depth + 1):
-        S = anc.shape[-1]
         own = torch.eye(topk, dtype=torch.bool, device=dev).expand(B, topk, topk)
         tree_mask = torch.cat([anc, own], dim=-1)                           # [B, k, S + k]
         ids = flat_tok.gather(1, front)
