@@ -36,7 +36,9 @@ import numpy as np
 
 from tlt.bench.common import print_json_line, print_table
 
-MODES = ("off", "always", "adaptive")
+MODES = ("off", "always", "adaptive", "frozen", "ngram")
+# off: no SD; always: one fixed EAGLE chain at every batch size; adaptive: gate + bandit, drafter trained online;
+# frozen: adaptive with the warm-started drafter never trained; ngram: adaptive with model-free drafts only.
 STEP_SPEEDUP_GOAL = 1.7  # the paper's end-to-end headline (design doc section 9)
 QUICK_OVERRIDES = ["data.train_batch_size=2", "rollout.n=4", "data.max_response_length=16"]
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
@@ -84,6 +86,10 @@ def mode_config(cfg, mode: str, method: str, drafter: str | None, out: Path):
     s.method, s.model = method, drafter
     if mode == "always":
         s.bs_threshold, s.adaptive = None, False
+    elif mode == "frozen":
+        c.drafter_train.enabled = False
+    elif mode == "ngram":
+        s.method, s.model = "ngram", None
     t.default_local_dir, t.project_name, t.experiment_name = str(out), "bench_e2e", mode
     t.resume, t.logger, t.save_freq, t.test_freq = "disable", ["jsonl"], -1, -1
     return c
@@ -258,14 +264,16 @@ def plot_curves(records: dict[str, list[dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     panels = (("critic/score/mean", "reward (mean per step)"), ("response_length/mean", "response length (mean)"),
-              (None, "step time s (no save/validation)"))
+              (None, "step time s (no save/validation)"),
+              ("rollout/spec_accept_length", "accept length (tokens per verify step)"))
     for ax, (key, title) in zip(axes, panels):
         for mode, recs in records.items():
-            xs = [r["step"] for r in recs]
-            ys = [step_seconds(r["metrics"]) if key is None else r["metrics"][key] for r in recs]
-            ax.plot(xs, ys, marker="o", label=mode)
+            pts = [(r["step"], step_seconds(r["metrics"]) if key is None else r["metrics"].get(key)) for r in recs]
+            pts = [(x, y) for x, y in pts if y is not None]
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=mode)
         ax.set_title(title)
         ax.set_xlabel("RL step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -42,9 +43,14 @@ def compare_sd(trainer) -> dict[str, Any] | None:
             "tokens_per_s_without_sd": round(without_tokens / max(without_s, 1e-9), 1),
             "num_prompts": len(ids), "n": params[0].n if params else 0,
             "tokens_with_sd": with_tokens, "tokens_without_sd": without_tokens,
-            "accept_length": round(spec["spec_accept_length"], 3), "spec_on_fraction": round(spec["spec_on_fraction"], 3),
+            "accept_length": _finite(spec["spec_accept_length"]), "spec_on_fraction": round(spec["spec_on_fraction"], 3),
             "accept_length_by_bucket": spec["spec_accept_length_by_bucket"], "arm_counts": spec["spec_arm_counts"],
             "drafter_version": trainer.llm.spec.drafter_version}
+
+
+def _finite(x: float) -> float | None:
+    """Rounded, or None when undefined (no verify step ran: the bandit chose "off" throughout)."""
+    return round(x, 3) if math.isfinite(x) else None
 
 
 def finish_run(trainer, summary: dict[str, Any]) -> dict[str, Any]:
@@ -72,7 +78,7 @@ def finish_run(trainer, summary: dict[str, Any]) -> dict[str, Any]:
         lines.append(f"  drafter: {summary['drafter_version']:.0f} versions published online")
     if cmp is not None:
         lines.append(f"  final rollout without SD {cmp['without_sd_s']:.1f} s, with adaptive SD {cmp['with_sd_s']:.1f} s "
-                     f"({cmp['speedup']:.2f}x), accept length {cmp['accept_length']:.2f}")
+                     f"({cmp['speedup']:.2f}x), accept length {cmp['accept_length'] or float('nan'):.2f}")
     lines.append(f"  report: {report}")
     print("\n".join(lines), flush=True)
     return summary

@@ -68,7 +68,8 @@ class SpecDecoder:
         s = self.st
         total = s["spec_on_steps"] + s["plain_steps"]
         return {
-            "spec_accept_length": s["emitted"] / max(s["verify_steps"], 1),
+            # NaN, not 0, when nothing was verified (logged as null): an accept length is always >= 1
+            "spec_accept_length": s["emitted"] / s["verify_steps"] if s["verify_steps"] else float("nan"),
             "spec_on_fraction": s["spec_on_steps"] / max(total, 1),
             "spec_accept_length_by_bucket": {b: e / max(n, 1) for b, (e, n) in sorted(s["accept_by_bucket"].items())},
             "spec_accept_rate_by_position": {d: a / max(n, 1) for d, (a, n) in sorted(s["accept_by_pos"].items())},
