@@ -111,6 +111,15 @@ def _setup(p, tokens, parents, valid):
     return valid, children_table(parents, valid)
 
 
+def _walk_state(B: int, N: int, device) -> tuple[torch.Tensor, ...]:
+    """Per-row walk state: emitted tokens [B, N] (-1 = none), the node each was drawn at [B, N], emitted counts [B],
+    the current node [B] (starting at the root) and the rows still walking."""
+    out_tok = torch.full((B, N), -1, dtype=torch.long, device=device)
+    out_node = torch.zeros(B, N, dtype=torch.long, device=device)
+    zeros = torch.zeros(B, dtype=torch.long, device=device)
+    return out_tok, out_node, zeros, zeros.clone(), torch.arange(B, device=device)
+
+
 def _finish(out_tok: torch.Tensor, out_node: torch.Tensor, n_out: torch.Tensor) -> VerifyResult:
     toks, nodes, lens = out_tok.tolist(), out_node.tolist(), n_out.tolist()
     return VerifyResult(paths=[nd[:n] for nd, n in zip(nodes, lens)], emitted_ids=[t[:n] for t, n in zip(toks, lens)])
@@ -123,11 +132,7 @@ def verify_deterministic(p: torch.Tensor, tokens: torch.Tensor, parents: torch.T
     B, N, V = p.shape
     valid, kids = _setup(p, tokens, parents, valid)
     draw = _as_uniform_fn(rng, B)
-    out_tok = torch.full((B, N), -1, dtype=torch.long, device=p.device)
-    out_node = torch.zeros(B, N, dtype=torch.long, device=p.device)  # emitted token j was drawn at node out_node[:, j]
-    n_out = torch.zeros(B, dtype=torch.long, device=p.device)
-    cur = torch.zeros(B, dtype=torch.long, device=p.device)
-    rows = torch.arange(B, device=p.device)
+    out_tok, out_node, n_out, cur, rows = _walk_state(B, N, p.device)
     for step in range(N):
         if rows.numel() == 0:
             break
@@ -172,11 +177,7 @@ def verify_stochastic(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor, pa
                          f"into the target vocabulary first")
     valid, kids = _setup(p, tokens, parents, valid)
     draw = _as_uniform_fn(rng, B)
-    out_tok = torch.full((B, N), -1, dtype=torch.long, device=p.device)
-    out_node = torch.zeros(B, N, dtype=torch.long, device=p.device)
-    n_out = torch.zeros(B, dtype=torch.long, device=p.device)
-    cur = torch.zeros(B, dtype=torch.long, device=p.device)
-    rows = torch.arange(B, device=p.device)
+    out_tok, out_node, n_out, cur, rows = _walk_state(B, N, p.device)
     for step in range(N):
         if rows.numel() == 0:
             break
