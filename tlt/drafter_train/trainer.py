@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from tlt.drafter_train.buffer import DrafterBuffer
 from tlt.drafter_train.packing import PackedBatch
+from tlt.device import cpu_has_fast_bf16
 from tlt.spec.drafter import Drafter
 
 HIDDEN_WEIGHT, CE_WEIGHT = 1.0, 0.1
@@ -51,12 +52,7 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     """bf16 where the hardware does it natively (CUDA, or CPU with AVX512-BF16/AMX), else None (fp32)."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    if device.type == "cpu":
-        check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-        amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-        if (check is not None and check()) or (amx is not None and amx()):
-            return torch.bfloat16
-    return None
+    return torch.bfloat16 if device.type == "cpu" and cpu_has_fast_bf16() else None
 
 
 def _should_stop(flag: StopFlag) -> bool:

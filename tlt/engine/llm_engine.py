@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +31,6 @@ class EngineStats:
     num_generated_tokens: int = 0
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
-    extra: dict = field(default_factory=dict)  # filled by the speculative decoder
 
 
 class LLMEngine:
@@ -85,10 +84,9 @@ class LLMEngine:
         admitted = self.scheduler.admit()
         t0 = time.perf_counter()
         if admitted:
-            logits, hidden = self.runner.prefill(admitted)
+            logits, last, hidden = self.runner.prefill(admitted)
             if self.spec is not None:
                 self.spec.on_prefill(admitted, hidden)
-            last = hidden[torch.arange(len(admitted)), torch.tensor([len(s.prompt_ids) - 1 for s in admitted])]
             done = self._append_sampled(admitted, logits, last)
             self.stats.num_prefill_steps += 1
             self.stats.prefill_time_s += time.perf_counter() - t0

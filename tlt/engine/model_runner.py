@@ -17,8 +17,9 @@ class ModelRunner:
         return torch.tensor(rows, dtype=dtype, device=self.device)
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompts of sequences in consecutive slots -> (logits [B, V] fp32, hidden [B, T, H] of all prompt tokens)."""
+    def prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prompts of sequences in consecutive slots -> (logits [B, V] fp32 at each last prompt token, the hidden
+        state there [B, H], hidden [B, T, H] of all prompt tokens)."""
         lens = [len(s.prompt_ids) for s in seqs]
         T = max(lens)
         ids = self._tensor([s.prompt_ids + [0] * (T - len(s.prompt_ids)) for s in seqs])  # right padding: causal
@@ -29,7 +30,7 @@ class ModelRunner:
         last = hidden[torch.arange(B), self._tensor(lens) - 1]
         for s, n in zip(seqs, lens):
             s.num_cached = n
-        return self.model.logits(last), hidden
+        return self.model.logits(last), last, hidden
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:

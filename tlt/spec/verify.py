@@ -111,6 +111,13 @@ def _setup(p, tokens, parents, valid):
     return valid, children_table(parents, valid)
 
 
+def _begin(p, tokens, parents, valid, rng):
+    """Shared prologue of both rules: children table, uniform source and the initial walk state."""
+    B, N, _ = p.shape
+    _, kids = _setup(p, tokens, parents, valid)
+    return kids, _as_uniform_fn(rng, B), _walk_state(B, N, p.device)
+
+
 def _walk_state(B: int, N: int, device) -> tuple[torch.Tensor, ...]:
     """Per-row walk state: emitted tokens [B, N] (-1 = none), the node each was drawn at [B, N], emitted counts [B],
     the current node [B] (starting at the root) and the rows still walking."""
@@ -130,9 +137,7 @@ def verify_deterministic(p: torch.Tensor, tokens: torch.Tensor, parents: torch.T
                          rng: UniformFn | Sequence[torch.Generator | None] | None = None) -> VerifyResult:
     """Verify deterministic draft trees against target probs p [B, N, V] (see module docstring)."""
     B, N, V = p.shape
-    valid, kids = _setup(p, tokens, parents, valid)
-    draw = _as_uniform_fn(rng, B)
-    out_tok, out_node, n_out, cur, rows = _walk_state(B, N, p.device)
+    kids, draw, (out_tok, out_node, n_out, cur, rows) = _begin(p, tokens, parents, valid, rng)
     for step in range(N):
         if rows.numel() == 0:
             break
@@ -175,9 +180,7 @@ def verify_stochastic(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor, pa
     if q.shape != p.shape:
         raise ValueError(f"q {tuple(q.shape)} must match p {tuple(p.shape)}: scatter a reduced draft vocabulary "
                          f"into the target vocabulary first")
-    valid, kids = _setup(p, tokens, parents, valid)
-    draw = _as_uniform_fn(rng, B)
-    out_tok, out_node, n_out, cur, rows = _walk_state(B, N, p.device)
+    kids, draw, (out_tok, out_node, n_out, cur, rows) = _begin(p, tokens, parents, valid, rng)
     for step in range(N):
         if rows.numel() == 0:
             break
