@@ -19,6 +19,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from tlt.config import AlgorithmConfig
+from tlt.registry import Registry
 
 EPS = 1e-6
 
@@ -30,21 +31,9 @@ class Advantages:
 
 
 AdvEstimator = Callable[[torch.Tensor, Sequence[Hashable], AlgorithmConfig], Advantages]
-_REGISTRY: dict[str, AdvEstimator] = {}
-
-
-def register_adv_estimator(name: str) -> Callable[[AdvEstimator], AdvEstimator]:
-    def wrap(fn: AdvEstimator) -> AdvEstimator:
-        _REGISTRY[name] = fn
-        return fn
-    return wrap
-
-
-def get_adv_estimator(name: str) -> AdvEstimator:
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown advantage estimator '{name}'; registered: {', '.join(sorted(_REGISTRY))} "
-                       "(set algorithm.adv_estimator, or register one with @register_adv_estimator)")
-    return _REGISTRY[name]
+_REGISTRY: Registry[AdvEstimator] = Registry("advantage estimator", "algorithm.adv_estimator", "register_adv_estimator")
+register_adv_estimator = _REGISTRY.register
+get_adv_estimator = _REGISTRY.get
 
 
 def scores_to_tensor(scores: Sequence[float | None]) -> torch.Tensor:

@@ -15,25 +15,14 @@ from typing import Callable
 import torch
 
 from tlt.config import ActorConfig
+from tlt.registry import Registry
 
 Metrics = dict[str, float]
 PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, ActorConfig],
                       tuple[torch.Tensor, Metrics]]
-_REGISTRY: dict[str, PolicyLoss] = {}
-
-
-def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    def wrap(fn: PolicyLoss) -> PolicyLoss:
-        _REGISTRY[name] = fn
-        return fn
-    return wrap
-
-
-def get_policy_loss(name: str) -> PolicyLoss:
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown policy loss '{name}'; registered: {', '.join(sorted(_REGISTRY))} "
-                       "(set actor.policy_loss, or register one with @register_policy_loss)")
-    return _REGISTRY[name]
+_REGISTRY: Registry[PolicyLoss] = Registry("policy loss", "actor.policy_loss", "register_policy_loss")
+register_policy_loss = _REGISTRY.register
+get_policy_loss = _REGISTRY.get
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
