@@ -117,4 +117,9 @@ def test_trainer_over_ray_replicas_trains_and_harvests(tmp_path, monkeypatch, ca
     last = steps[-1]
     assert last["step"] == 2 and last["critic/score/mean"] is not None
     assert last["spot/num_dead_replicas"] == 0 and "spot/barrier_delay_steps" in last
-    assert max(m.get("spot/drafter_version", 0) for m in steps) >= 1
+    # Whether the idle replica finishes a drafter step before the last replica ends its rollout (preemption) is a
+    # matter of timing on this tiny model; publishing under guaranteed idle time is tested in
+    # test_spot_rollout_two_steps. Here: the published version counts exactly the completed, unrefused sessions.
+    trained = [m for m in steps if m["step"] >= 1]
+    completed = sum(1 for m in trained if m["spot/drafter_steps"] > 0 and m["spot/refused_sessions"] == 0)
+    assert trained[-1]["spot/drafter_version"] == completed
