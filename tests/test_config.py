@@ -1,5 +1,7 @@
 """Config loading: defaults, YAML + overrides, round trip, and the fix-it error messages."""
 
+from pathlib import Path
+
 import pytest
 
 from tlt.config import (Config, ConfigError, config_reference_markdown, config_to_dict, format_config, load_config,
@@ -85,3 +87,10 @@ def test_reference_markdown_covers_every_key():
         for key in values:
             assert f"`{section}.{key}`" in md
     assert "| `rollout.n` | int | `4` |" in md
+
+
+def test_docs_config_md_is_current():
+    """docs/config.md is generated: regenerate it with
+    python -c "from tlt.config import config_reference_markdown as m; open('docs/config.md','w').write(m())" """
+    path = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+    assert path.read_text() == config_reference_markdown()

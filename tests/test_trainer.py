@@ -280,6 +280,10 @@ def test_smoke_recipe_with_eagle_sd_and_online_drafter(tmp_path, monkeypatch, ca
                 "rollout/spec_accept_length", "rollout/spec_on_fraction", "rollout/decode_time_tail_s"):
         assert key in steps[-1], f"missing {key}"
     assert any(k.startswith("rollout/spec_arm_counts/") for k in steps[-1])
+    # drafters compared on each step's fresh held-out responses; before any session online IS the warm start
+    assert all(m["drafter/compare/tokens"] > 0 and m["drafter/compare/ngram"] >= 1 for m in steps)
+    assert steps[0]["drafter/compare/online"] == steps[0]["drafter/compare/frozen"]
+    assert "timing_s/drafter" in steps[0]
     # the drafter either advanced or a refusal was logged (published == 0 after training steps)
     assert steps[-1]["drafter/version"] >= 1 or any(m["drafter/steps"] > 0 and m["drafter/published"] == 0
                                                     for m in steps)
@@ -291,6 +295,7 @@ def test_smoke_recipe_with_eagle_sd_and_online_drafter(tmp_path, monkeypatch, ca
     assert cmp["with_sd_s"] > 0 and cmp["without_sd_s"] > 0
     assert cmp["accept_length"] is None or cmp["accept_length"] >= 1  # None: only the "off" arm was chosen
     assert (run_dir / "report.html").is_file() and summary["report"] == str(run_dir / "report.html")
+    assert (run_dir / "drafters.png").is_file() and "drafters.png" in (run_dir / "report.html").read_text()
     assert summary["initial_val_accuracy"] is not None and summary["final_val_accuracy"] is not None
 
 
@@ -315,6 +320,9 @@ def test_online_drafter_hook_state_round_trip(tmp_path, tiny_dir):
     for k, v in state["drafter"].items():
         torch.testing.assert_close(new.drafter.state_dict()[k], v)
         torch.testing.assert_close(resumed.llm.spec.drafter.state_dict()[k], v)
+    for k, v in hook.frozen.drafter.trainable_state_dict().items():  # the comparison keeps the run's warm start
+        torch.testing.assert_close(new.frozen.drafter.trainable_state_dict()[k], v)
+        assert not torch.equal(v, state["drafter"][k])
     opt_a, opt_b = hook.trainer.opt.state_dict()["state"], new.trainer.opt.state_dict()["state"]
     assert opt_a.keys() == opt_b.keys() and all(torch.equal(opt_a[i]["exp_avg"], opt_b[i]["exp_avg"]) for i in opt_a)
 

@@ -130,6 +130,8 @@ class DrafterTrainConfig:
     ckpt_every: int = _f(50, "checkpoint trainable drafter params every N drafter steps", ge=1)
     offset_sampling: bool = _f(True, "mix the previous step's long responses into training (one-step offset)")
     holdout_fraction: float = _f(0.05, "fraction of samples held out for acceptance metrics", ge=0, le=0.5)
+    compare_drafters: bool = _f(True, "score online vs frozen warm-start vs n-gram drafters on each step's "
+                                      "held-out responses (drafter/compare/*)")
 
 
 @dataclass

@@ -116,6 +116,20 @@ def make_report(run_dir: str | Path, summary: dict | None = None) -> Path:
         ("accept.png", "Speculative accept length",
          _line_plot(rows, [("rollout/spec_accept_length", "accept length (tokens / verify step)")],
                     "Accept length per step", "tokens", run / "accept.png")),
+        ("drafters.png", "Drafters on each step's fresh held-out responses, before training on them: online (the one "
+         "in use) vs the frozen warm-start vs n-gram (accept-length proxy, teacher-forced greedy; tlt.drafter_train."
+         "compare), and the accept length measured in the rollout",
+         _line_plot(rows, [("drafter/compare/online", "online drafter (proxy)"),
+                           ("drafter/compare/frozen", "frozen warm-start drafter (proxy)"),
+                           ("drafter/compare/ngram", "n-gram drafter (proxy)"),
+                           ("rollout/spec_accept_length", "measured in rollout (adaptive arms)")],
+                    "Accept length: online vs frozen vs n-gram", "tokens / verify step", run / "drafters.png")),
+        ("spot.png", "Spot training (Ray rollout workers): idle replica time, the part harvested for drafter "
+         "training, and how long training delayed the step after the last rollout finished",
+         _line_plot(rows, [("spot/idle_s_total", "idle replica-seconds"),
+                           ("spot/harvested_s_total", "harvested for drafter training (s)"),
+                           ("spot/barrier_delay_s", "delay of the next phase (s)")],
+                    "Idle time harvested per step", "seconds", run / "spot.png")),
         ("sd_on.png", "SD-on fraction", _line_plot(rows, [("rollout/spec_on_fraction", "SD-on fraction of decode steps")],
                                                    "SD-on fraction", "fraction", run / "sd_on.png")),
         ("phases.png", "Time per phase", _phase_plot(rows, run / "phases.png")),

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from tlt.config import DrafterTrainConfig
-from tlt.drafter_train.buffer import DrafterBuffer
-from tlt.drafter_train.packing import PackedBatch
+from tlt.drafter_train import compare
+from tlt.drafter_train.buffer import DrafterBuffer, DrafterSample
+from tlt.drafter_train.packing import PackedBatch, pack
 from tlt.drafter_train.trainer import DrafterTrainer, should_publish
 from tlt.engine.outputs import RequestOutput
 from tlt.rl.rollout import RolloutBatch
@@ -48,13 +49,13 @@ class OnlineDrafterHook(DrafterHook):
                              "(speculative.enabled=true, speculative.method=eagle)")
         self.cfg, self.spec = cfg, spec
         self.max_steps, self.max_seconds = max_steps, max_seconds
-        engine_drafter = spec.drafter
-        self.drafter = Drafter(engine_drafter.cfg).attach(engine_drafter.target)
-        self.drafter.to(next(engine_drafter.parameters()).device, torch.float32)
-        self.drafter.load_state_dict(engine_drafter.state_dict(), strict=False)
-        self.drafter.d2t = engine_drafter.d2t  # reduced draft vocabulary (not in the state dict)
+        self.drafter = _copy_of(spec.drafter)
         self.trainer = DrafterTrainer(self.drafter, lr=cfg.lr, batch_tokens=cfg.batch_tokens, seed=seed,
                                       ckpt_dir=ckpt_dir, ckpt_every=cfg.ckpt_every if ckpt_dir else 0)
+        # the warm-start drafter, never trained: the baseline of the per-step comparison (tlt.drafter_train.compare)
+        self.frozen = DrafterTrainer(_copy_of(spec.drafter), lr=0.0, batch_tokens=cfg.batch_tokens) \
+            if cfg.compare_drafters else None
+        self.fresh_heldout: list[tuple[DrafterSample, list[int], list[list[int]], int]] = []
         holdout_every = round(1 / cfg.holdout_fraction) if cfg.holdout_fraction > 0 else 0
         self.buffer = DrafterBuffer(cfg.buffer_max_tokens, cfg.window_len,
                                     offset_frac=0.5 if cfg.offset_sampling else 0.0, holdout_every=holdout_every)
@@ -66,6 +67,8 @@ class OnlineDrafterHook(DrafterHook):
     def after_rollout(self, step: int, rollout: RolloutBatch, outputs: list[RequestOutput]) -> dict[str, float]:
         self.add_outputs(step, outputs)
         metrics = {"drafter/steps": 0.0, "drafter/train_time_s": 0.0, "drafter/published": 0.0}
+        if self.frozen is not None and self.fresh_heldout:
+            metrics.update(self.compare_drafters())
         if step % self.cfg.every_k_steps == 0 and self.buffer.num_train_tokens() >= self.cfg.min_buffer_tokens:
             metrics.update(self.train_session(step))
         metrics |= self.last_train  # loss/acc of the latest session, so the curves have a value every step
@@ -75,14 +78,32 @@ class OnlineDrafterHook(DrafterHook):
     def add_outputs(self, step: int, outputs: list[RequestOutput]) -> None:
         """Every response's hidden states: hidden[i] produced response token i, i.e. is h at position P-1+i."""
         before = self.buffer.num_train_tokens()
+        self.fresh_heldout = []
         for out in outputs:
             prompt = list(out.prompt_token_ids)
-            for completion in out.outputs:
+            group = [list(c.token_ids) for c in out.outputs]
+            for i, completion in enumerate(out.outputs):
                 if completion.hidden_states is None or not completion.token_ids:
                     continue
-                self.buffer.add(prompt + list(completion.token_ids), completion.hidden_states,
-                                response_start=len(prompt), rl_step=step, hidden_start=len(prompt) - 1)
+                sample = self.buffer.add(prompt + group[i], completion.hidden_states,
+                                         response_start=len(prompt), rl_step=step, hidden_start=len(prompt) - 1)
+                if sample is not None and sample.heldout and len(group[i]) > 1:
+                    self.fresh_heldout.append((sample, prompt, group, i))
         self.new_tokens += max(self.buffer.num_train_tokens() - before, 0)
+
+    def compare_drafters(self) -> dict[str, float]:
+        """Accept-length proxy of the online, frozen warm-start and n-gram drafters on this step's held-out
+        responses, before the drafter trains on the step (tlt.drafter_train.compare)."""
+        t0 = time.perf_counter()
+        batch = pack([s.window(a, b) for s, *_ in self.fresh_heldout for _, a, b in self.buffer.windows_of(s)],
+                     self.cfg.batch_tokens)
+        online, frozen = self.trainer.evaluate(batch), self.frozen.evaluate(batch)
+        ngram = torch.cat([compare.accept_from_hits(compare.ngram_hits(
+            prompt, group, i, compare.target_top1(s.hidden, self.drafter.target.lm_head_weight),
+            self.spec.cfg.ngram_max_n, self.spec.cfg.ngram_min_n)) for s, prompt, group, i in self.fresh_heldout])
+        return {"drafter/compare/online": online["accept_proxy"], "drafter/compare/frozen": frozen["accept_proxy"],
+                "drafter/compare/ngram": float(ngram.float().mean()), "drafter/compare/tokens": float(ngram.numel()),
+                "drafter/compare/time_s": time.perf_counter() - t0}
 
     def session_steps(self) -> int:
         steps = max(1, math.ceil(self.new_tokens / self.cfg.batch_tokens))
@@ -124,7 +145,9 @@ class OnlineDrafterHook(DrafterHook):
         published = {k: v.detach().to("cpu", copy=True) for k, v in self.spec.drafter.trainable_state_dict().items()}
         return {"drafter": published, "optimizer": self.trainer.opt.state_dict(), "version": self.version,
                 "drafter_steps": self.trainer.total_steps, "generator": self.trainer.generator.get_state(),
-                "last_train": dict(self.last_train)}
+                "last_train": dict(self.last_train),
+                "frozen": None if self.frozen is None else {k: v.detach().to("cpu", copy=True) for k, v in
+                                                            self.frozen.drafter.trainable_state_dict().items()}}
 
     def export(self, out_dir: Path) -> None:
         """The drafter the engine uses, in tlt.spec.drafter_io's layout (`export_eagle` converts it for serving)."""
@@ -140,3 +163,14 @@ class OnlineDrafterHook(DrafterHook):
         self.trainer.generator.set_state(state["generator"])
         self.version, self.trainer.total_steps = state["version"], state["drafter_steps"]
         self.last_train = dict(state["last_train"])
+        if self.frozen is not None and state.get("frozen") is not None:  # the run's warm start, not the resumed one
+            self.frozen.drafter.load_state_dict(state["frozen"], strict=False)
+
+
+def _copy_of(engine_drafter: Drafter) -> Drafter:
+    """An fp32 copy of the engine's drafter sharing the target's frozen embedding and LM head."""
+    d = Drafter(engine_drafter.cfg).attach(engine_drafter.target)
+    d.to(next(engine_drafter.parameters()).device, torch.float32)
+    d.load_state_dict(engine_drafter.state_dict(), strict=False)
+    d.d2t = engine_drafter.d2t  # reduced draft vocabulary (not in the state dict)
+    return d

@@ -173,7 +173,8 @@ class GRPOTrainer:
                         batch.ref_log_probs = self.actor.compute_log_probs(batch, self.ref_model)
                 with timer("update_actor"):
                     step_metrics.update(self.actor.update(batch, self.num_mini_batches))
-                step_metrics.update(self.drafter_hook.after_rollout(step, rollout, outputs))
+                with timer("drafter"):
+                    step_metrics.update(self.drafter_hook.after_rollout(step, rollout, outputs))
                 if t.test_freq > 0 and self.val_examples and (step % t.test_freq == 0 or step == t.total_steps):
                     with timer("testing"):
                         step_metrics.update(self.validate())
