@@ -1,4 +1,5 @@
-"""BEG-MAB: untried arms first, learns the best arm per bucket under noisy rewards, seeded, counts choices."""
+"""BEG-MAB: untried arms first, learns the best arm per bucket under noisy rewards by delivered throughput,
+prefers "off" on a tie, explores dominated arms rarely, forgets drafter arms on a new drafter, seeded."""
 from __future__ import annotations
 
 import math
@@ -6,7 +7,7 @@ import random
 
 import pytest
 
-from tlt.spec.bandit import Arm, StrategyBandit, default_arm_table, reward
+from tlt.spec.bandit import Arm, StrategyBandit, default_arm_table
 
 
 def test_untried_arms_first_then_best():
@@ -16,9 +17,9 @@ def test_untried_arms_first_then_best():
     for i in range(len(arms)):
         arm = bandit.select(1)
         picked.append(arm.name)
-        bandit.update(1, arm, float(i))
+        bandit.update(1, arm, float(i), 1.0)
     assert picked == [a.name for a in arms]          # every arm once, in table order
-    assert bandit.select(1).name == arms[-1].name     # then the best median
+    assert bandit.select(1).name == arms[-1].name     # then the best throughput
 
 
 def test_learns_best_arm_per_bucket_with_noise():
@@ -31,7 +32,7 @@ def test_learns_best_arm_per_bucket_with_noise():
     for _ in range(1500):
         for bs, b in ((1, 0), (32, 3)):
             arm = bandit.select(bs)
-            bandit.update(bs, arm, true[b][arm.name] * noise.lognormvariate(0, 0.5))
+            bandit.update(bs, arm, true[b][arm.name] * noise.lognormvariate(0, 0.5), 1.0)
     assert bandit.best(1).name == "chain6" and bandit.best(32).name == "off"
     stats = bandit.stats()
     assert stats["bs1"]["chain6"]["count"] > 1200     # ~ (1 - eps) of choices once learned
@@ -45,7 +46,7 @@ def test_seeded_and_buckets():
         out = []
         for i in range(300):
             arm = b.select(3)
-            b.update(3, arm, reward(1.0 + (arm.depth % 3), 3, 0.01 + 0.001 * (i % 5)))
+            b.update(3, arm, 3 * (1.0 + (arm.depth % 3)), 0.01 + 0.001 * (i % 5))
             out.append(arm.name)
         return out
     assert run(5) == run(5)
@@ -65,3 +66,64 @@ def test_default_tables_have_off_and_fastrl_budgets():
         Arm("x", "medusa")
     with pytest.raises(ValueError):
         StrategyBandit([1, 4], [[Arm("off", "off")], [Arm("off", "off")]])
+
+
+OFF, CHAIN = Arm("off", "off"), Arm("chain4", "eagle_chain", 4, 1, 4)
+
+
+def _one_bucket(arms, **kw):
+    return StrategyBandit([math.inf], [arms], seed=3, **kw)
+
+
+def test_ranks_by_delivered_throughput_not_the_median_step():
+    """70% of the chain's steps are a bit faster than plain, 30% pay a drafter catch-up 4x over: its median step
+    beats "off" but its tokens per second do not, so the bandit keeps "off" (a median-based one would not)."""
+    bandit = _one_bucket([OFF, CHAIN], epsilon=0.0)
+    steps = [(1.1, 1.0)] * 7 + [(1.0, 4.0)] * 3           # (tokens, seconds) per step; "off" does 1 token / s
+    for i in range(40):
+        bandit.update(1, OFF, 1.0, 1.0)
+        bandit.update(1, CHAIN, *steps[i % 10])
+    import statistics
+    assert statistics.median(t / s for t, s in steps) > 1.0  # the median step looks better than plain ...
+    assert bandit.estimate(0, "chain4") < 1.0 and bandit.best(1) is OFF  # ... the throughput is not
+
+
+def test_off_is_kept_on_a_tie():
+    bandit = _one_bucket([OFF, CHAIN], epsilon=0.0)
+    bandit.update(1, OFF, 100.0, 1.0)
+    bandit.update(1, CHAIN, 102.0, 1.0)               # 2% better: within min_gain, not worth SD's variance
+    assert bandit.best(1) is OFF
+    bandit.update(1, CHAIN, 110.0, 1.0)               # 6% better on average: SD wins
+    assert bandit.best(1) is CHAIN
+
+
+def test_dominated_arms_are_explored_rarely():
+    """Once every SD arm is known to lose by > margin, exploration mostly re-tries the live arms only; the
+    paper's uniform exploration (recheck=1) spends ~epsilon of the steps on losing arms."""
+    table = [OFF] + [Arm(f"chain{d}", "eagle_chain", d, 1, d) for d in (2, 3, 4, 5, 6)]
+
+    def non_off_share(recheck):
+        bandit = _one_bucket(table, epsilon=0.1, recheck=recheck)
+        chosen = []
+        for _ in range(4000):
+            arm = bandit.select(1)
+            bandit.update(1, arm, 1.0 if arm is OFF else 0.5, 1.0)
+            chosen.append(arm.name)
+        return sum(c != "off" for c in chosen[200:]) / len(chosen[200:])
+
+    assert non_off_share(recheck=0.1) < 0.02
+    assert non_off_share(recheck=1.0) > 0.07          # control: uniform exploration pays ~epsilon * 5/6
+
+
+def test_forget_retries_drafter_arms_first_and_keeps_the_rest():
+    ngram = Arm("ngram4", "ngram", 4, 1, 4)
+    bandit = _one_bucket([OFF, ngram, CHAIN], epsilon=0.0)
+    for arm, tokens in ((OFF, 1.0), (ngram, 2.0), (CHAIN, 0.5)):
+        assert bandit.select(1) is arm
+        bandit.update(1, arm, tokens, 1.0)
+    assert bandit.select(1) is ngram
+    bandit.forget()                                   # a new drafter: the chain's old reward is stale
+    assert bandit.estimate(0, "chain4") == -math.inf and bandit.estimate(0, "ngram4") == 2.0
+    assert bandit.select(1) is CHAIN                  # tried again first
+    bandit.update(1, CHAIN, 3.0, 1.0)
+    assert bandit.select(1) is CHAIN

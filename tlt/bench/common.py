@@ -29,6 +29,28 @@ def median_time(fn: Callable[[], object], repeats: int) -> tuple[float, float, f
     return statistics.median(times), min(times), max(times), result
 
 
+def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, dict]:
+    """Time several configurations round-robin (A B C A B C ...) so machine drift hits them alike: one untimed
+    warm-up round, then `repeats` timed rounds. Per name: median/min/max seconds, the per-round times and the
+    last result; `paired_speedup` compares two names round by round."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    results: dict[str, object] = {}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            results[k] = fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: {"median": statistics.median(v), "min": min(v), "max": max(v), "times": v, "result": results[k]}
+            for k, v in times.items()}
+
+
+def paired_speedup(base: list[float], other: list[float]) -> float:
+    """Median over rounds of base_time / other_time (rounds paired: drift between rounds cancels)."""
+    return statistics.median(b / o for b, o in zip(base, other))
+
+
 def print_table(rows: list[dict], columns: list[str]) -> None:
     widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
     print("  ".join(c.rjust(widths[c]) for c in columns))

@@ -15,7 +15,8 @@ import argparse
 import torch
 
 import tlt
-from tlt.bench.common import default_task_prompt_ids, median_time, print_json_line, print_table
+from tlt.bench.common import (default_task_prompt_ids, interleaved_times, median_time, paired_speedup, print_json_line,
+                              print_table)
 from tlt.device import resolve_dtype
 
 
@@ -32,20 +33,29 @@ def strategies(drafter: str | None, depth: int) -> dict[str, dict | None]:
     return s
 
 
-def run_ours(model, tok, prompts, bs, spec, max_tokens, repeats, seed):
+def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens, repeats, seed) -> list[dict]:
+    """All strategies at one batch size, timed interleaved; speedup = median over rounds of plain / strategy."""
     params = tlt.SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, ignore_eos=True)
-    llm = tlt.LLM(model, tokenizer=tok, max_num_seqs=max(bs, 1), speculative_config=spec)
     batch = prompts[:bs]
+    llms = {name: tlt.LLM(model, tokenizer=tok, max_num_seqs=max(bs, 1), speculative_config=spec)
+            for name, spec in specs.items()}
 
-    def go():
-        if llm.spec is not None:
-            llm.spec.reset_stats()
-        return llm.generate(batch, params)
-    med, lo, hi, outs = median_time(go, repeats)
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    stats = llm.stats()
-    return {"tok_s": tokens / med, "time_s": med, "spread": f"{lo:.2f}-{hi:.2f}",
-            "accept_len": stats.get("spec_accept_length"), "sd_on": stats.get("spec_on_fraction")}
+    def runner(llm):
+        def go():
+            if llm.spec is not None:
+                llm.spec.reset_stats()
+            return llm.generate(batch, params)
+        return go
+    timed = interleaved_times({name: runner(llm) for name, llm in llms.items()}, repeats)
+    rows = []
+    for name, t in timed.items():
+        tokens = sum(len(o.outputs[0].token_ids) for o in t["result"])
+        stats = llms[name].stats()
+        rows.append({"strategy": name, "bs": bs, "tok_s": tokens / t["median"], "time_s": t["median"],
+                     "speedup": paired_speedup(timed["plain"]["times"], t["times"]),
+                     "spread": f"{t['min']:.2f}-{t['max']:.2f}", "accept_len": stats.get("spec_accept_length"),
+                     "sd_on": stats.get("spec_on_fraction")})
+    return rows
 
 
 def run_hf_assisted(model_dir, prompt, max_tokens, repeats, dtype):
@@ -95,14 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts = default_task_prompt_ids(tok, max(sizes), seed=a.seed + 1000)
     rows, results = [], {}
     for bs in sizes:
-        base = None
-        for name, spec in strategies(drafter, a.depth).items():
-            r = run_ours(model, tok, prompts, bs, spec, a.max_tokens, a.repeats, a.seed)
-            base = base or r["tok_s"]
-            r.update(strategy=name, bs=bs, speedup=r["tok_s"] / base)
+        for r in run_ours(model, tok, prompts, bs, strategies(drafter, a.depth), a.max_tokens, a.repeats, a.seed):
             rows.append(r)
-            results[f"bs{bs}/{name}"] = {k: r[k] for k in ("tok_s", "speedup", "accept_len", "sd_on")}
-    print(f"model={model_dir} dtype={dtype} max_tokens={a.max_tokens} temperature=1.0 repeats={a.repeats} (median)")
+            results[f"bs{bs}/{r['strategy']}"] = {k: r[k] for k in ("tok_s", "speedup", "accept_len", "sd_on")}
+    print(f"model={model_dir} dtype={dtype} max_tokens={a.max_tokens} temperature=1.0 repeats={a.repeats} interleaved "
+          f"(median; speedup = median over rounds of plain/strategy time) threads={torch.get_num_threads()}")
     print_table(rows, ["bs", "strategy", "tok_s", "speedup", "accept_len", "sd_on", "spread"])
     if not a.skip_hf:
         hf = run_hf_assisted(model_dir, prompts[0], a.max_tokens, a.repeats, dtype)

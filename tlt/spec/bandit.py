@@ -1,16 +1,24 @@
 """BEG-MAB: a bucketed epsilon-greedy bandit that picks the drafting strategy per decode step (design doc 6).
 
 Arms are grouped by running-batch-size bucket (buckets given by inclusive upper bounds, e.g. [1, 4, 20, inf]).
-In a bucket: untried arms first (in table order); then with probability epsilon a uniformly random arm, else the
-arm with the best median reward over its last `window` rewards. Reward = accept_length * batch_size / step_time
-(tokens/s), computed by the caller (`reward()` below) and handed in as a float. Every bucket holds an "off" arm
-(plain decoding) so the policy can learn that SD does not pay at large batch.
+Every bucket holds an "off" arm (plain decoding) so the policy can learn that SD does not pay at large batch.
+In a bucket: untried arms first (in table order); then with probability epsilon a random arm, else the best arm.
+
+Where this departs from the paper's BEG-MAB (median per-step reward, uniform exploration), and why:
+- Estimate = throughput over the arm's last `window` steps, sum(tokens) / sum(seconds), not the median of
+  per-step tokens/s. The median ignores the rare expensive steps (a drafter catch-up after a stretch of plain
+  decoding, a deep tree's spike) and the rare long accepts, so it ranks arms by their typical step rather than by
+  the tokens per second they actually deliver; the ratio of sums is what a rollout's wall time depends on.
+- "off" is kept unless an SD arm beats it by `min_gain` (a tie costs SD's variance for nothing).
+- Exploration skips arms that are confidently dominated (>= `min_samples` steps and below the best by more than
+  `margin`) except with probability `recheck`, so once SD is known not to pay, exploring costs ~epsilon * recheck
+  of the steps instead of ~epsilon; `forget` (called when a new drafter is published) makes the learned-drafter
+  arms untried again, since their old rewards describe the old drafter.
 """
 from __future__ import annotations
 
 import math
 import random
-import statistics
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Sequence
@@ -72,7 +80,8 @@ def default_arm_table(device: str = "cpu") -> tuple[list[float], list[list[Arm]]
 
 class StrategyBandit:
     def __init__(self, bucket_bounds: Sequence[float] | None = None, arms: Sequence[Sequence[Arm]] | None = None,
-                 epsilon: float = 0.1, window: int = 300, seed: int = 0):
+                 epsilon: float = 0.1, window: int = 300, seed: int = 0, min_gain: float = 0.03,
+                 margin: float = 0.15, min_samples: int = 5, recheck: float = 0.1):
         if bucket_bounds is None and arms is None:
             bucket_bounds, arms = default_arm_table("cpu")
         if bucket_bounds is None or arms is None or len(bucket_bounds) != len(arms):
@@ -85,8 +94,11 @@ class StrategyBandit:
                 raise ValueError(f"bucket {b}: needs at least one arm and unique arm names, got {names}")
         self.bounds, self.arms = list(bucket_bounds), [list(a) for a in arms]
         self.epsilon, self.window = epsilon, window
+        self.min_gain, self.margin, self.min_samples, self.recheck = min_gain, margin, min_samples, recheck
         self.rng = random.Random(seed)
-        self.rewards = [{a.name: deque(maxlen=window) for a in bucket} for bucket in self.arms]
+        # per bucket and arm: the last `window` steps as (tokens, seconds)
+        self.steps = [{a.name: deque(maxlen=window) for a in bucket} for bucket in self.arms]
+        self.untried = [[a.name for a in bucket] for bucket in self.arms]  # in table order
         self.counts = [Counter() for _ in self.arms]   # choices per bucket and arm
 
     def bucket(self, batch_size: int) -> int:
@@ -94,29 +106,54 @@ class StrategyBandit:
 
     def select(self, batch_size: int) -> Arm:
         b = self.bucket(batch_size)
-        arms, rewards = self.arms[b], self.rewards[b]
-        untried = [a for a in arms if not rewards[a.name] and not self.counts[b][a.name]]
-        if untried:
-            arm = untried[0]
+        arms = self.arms[b]
+        if self.untried[b]:
+            name = self.untried[b].pop(0)
+            arm = next(a for a in arms if a.name == name)
         elif self.rng.random() < self.epsilon:
-            arm = self.rng.choice(arms)
+            best = self._best(b)
+            live = [a for a in arms if not self._dominated(b, a.name, best)]
+            arm = self.rng.choice(arms if self.rng.random() < self.recheck else live)
         else:
-            arm = max(arms, key=lambda a: self._median(b, a.name))
+            arm = self._best(b)
         self.counts[b][arm.name] += 1
         return arm
 
-    def update(self, batch_size: int, arm: Arm, reward_value: float) -> None:
-        """Record the reward of `arm` for a step run at `batch_size` (the size it was selected for)."""
-        self.rewards[self.bucket(batch_size)][arm.name].append(float(reward_value))
+    def update(self, batch_size: int, arm: Arm, tokens: float, seconds: float) -> None:
+        """Record one step of `arm` run at `batch_size` (the size it was selected for): tokens emitted, seconds."""
+        self.steps[self.bucket(batch_size)][arm.name].append((float(tokens), float(seconds)))
 
-    def _median(self, b: int, name: str) -> float:
-        r = self.rewards[b][name]
-        return statistics.median(r) if r else -math.inf  # chosen but never rewarded: rank last
+    def forget(self, methods: Sequence[str] = ("eagle_chain", "eagle_tree")) -> None:
+        """Drop what was learned about arms of these methods (their drafter changed): they are tried again first."""
+        for b, bucket in enumerate(self.arms):
+            for a in bucket:
+                if a.method in methods:
+                    self.steps[b][a.name].clear()
+                    if a.name not in self.untried[b]:
+                        self.untried[b].append(a.name)
+
+    def estimate(self, b: int, name: str) -> float:
+        """Tokens/s of the arm over its window: sum(tokens) / sum(seconds); -inf before its first step."""
+        steps = self.steps[b][name]
+        if not steps:
+            return -math.inf
+        return sum(t for t, _ in steps) / max(sum(s for _, s in steps), 1e-9)
+
+    def _best(self, b: int) -> Arm:
+        arms = self.arms[b]
+        top = max(arms, key=lambda a: self.estimate(b, a.name))
+        off = next((a for a in arms if a.method == "off"), None)
+        if off is not None and top is not off and self.estimate(b, top.name) < (1 + self.min_gain) * self.estimate(b, off.name):
+            return off
+        return top
+
+    def _dominated(self, b: int, name: str, best: Arm) -> bool:
+        return (len(self.steps[b][name]) >= self.min_samples
+                and self.estimate(b, name) < (1 - self.margin) * self.estimate(b, best.name))
 
     def best(self, batch_size: int) -> Arm:
         """The current greedy choice of the bucket (no exploration, no counting)."""
-        b = self.bucket(batch_size)
-        return max(self.arms[b], key=lambda a: self._median(b, a.name))
+        return self._best(self.bucket(batch_size))
 
     def bucket_name(self, b: int) -> str:
         lo = 1 if b == 0 else int(self.bounds[b - 1]) + 1
@@ -124,7 +161,7 @@ class StrategyBandit:
         return f"bs>={lo}" if hi == math.inf else (f"bs{lo}" if lo == hi else f"bs{lo}-{int(hi)}")
 
     def stats(self) -> dict[str, dict[str, dict[str, float]]]:
-        """{bucket: {arm: {"count", "median_reward"}}} for logging."""
+        """{bucket: {arm: {"count", "tokens_per_s"}}} for logging."""
         return {self.bucket_name(b): {a.name: {"count": self.counts[b][a.name],
-                                               "median_reward": self._median(b, a.name)} for a in arms}
+                                               "tokens_per_s": self.estimate(b, a.name)} for a in arms}
                 for b, arms in enumerate(self.arms)}

@@ -123,6 +123,7 @@ class SpecDecoder:
         """Publish new drafter weights into this engine, also mid-rollout (exactness never depends on them)."""
         self.drafter.load_state_dict(state, strict=False)
         self.drafter_version += 1
+        self.bandit.forget()  # the learned-drafter arms' rewards describe the old weights
         for k in self.dcached:  # the drafter cache was computed by the old weights: rebuild it on next use
             self.dcached[k] = 0
 
@@ -140,7 +141,7 @@ class SpecDecoder:
             emitted = len(seqs)
         else:
             done, emitted = self._speculate(seqs, arm, bucket)
-        self.bandit.update(len(seqs), arm, emitted / max(time.perf_counter() - t0, 1e-9))
+        self.bandit.update(len(seqs), arm, emitted, time.perf_counter() - t0)
         return done
 
     def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str) -> tuple[list[Sequence], int]:
