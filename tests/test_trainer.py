@@ -296,6 +296,7 @@ def test_smoke_recipe_with_eagle_sd_and_online_drafter(tmp_path, monkeypatch, ca
     assert cmp["accept_length"] is None or cmp["accept_length"] >= 1  # None: only the "off" arm was chosen
     assert (run_dir / "report.html").is_file() and summary["report"] == str(run_dir / "report.html")
     assert (run_dir / "drafters.png").is_file() and "drafters.png" in (run_dir / "report.html").read_text()
+    assert (run_dir / "overview.png").is_file() and "max / p50" in (run_dir / "report.html").read_text()
     assert summary["initial_val_accuracy"] is not None and summary["final_val_accuracy"] is not None
 
 

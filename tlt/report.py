@@ -5,6 +5,7 @@
 Inputs in the run directory: metrics.jsonl (one JSON object per step, verl-style keys), optionally
 response_lengths.jsonl ({"step", "lengths": [...]} per step) for length distributions, and sd_compare.json
 ({"with_sd_s", "without_sd_s", ...}: the same rollout timed with speculation on and off).
+Outputs: one PNG per plot, overview.png (all plots in one picture) and report.html.
 """
 from __future__ import annotations
 
@@ -102,6 +103,23 @@ def _sd_compare_plot(cmp: dict, path: Path) -> bool:
     return True
 
 
+def _overview(pngs: list[Path], path: Path, cols: int = 2, width: int = 480) -> None:
+    """All plots in one picture (two columns), for a README or a quick look."""
+    from PIL import Image
+    if not pngs:
+        return
+    tiles = []
+    for p in pngs:
+        with Image.open(p) as im:
+            tiles.append(im.convert("RGB").resize((width, round(im.height * width / im.width))))
+    h = max(t.height for t in tiles)
+    rows = (len(tiles) + cols - 1) // cols
+    sheet = Image.new("RGB", (cols * width, rows * h), "white")
+    for i, t in enumerate(tiles):
+        sheet.paste(t, ((i % cols) * width, (i // cols) * h))
+    sheet.save(path)
+
+
 def make_report(run_dir: str | Path, summary: dict | None = None) -> Path:
     run = Path(run_dir)
     rows = _read_jsonl(run / "metrics.jsonl")
@@ -135,6 +153,7 @@ def make_report(run_dir: str | Path, summary: dict | None = None) -> Path:
         ("phases.png", "Time per phase", _phase_plot(rows, run / "phases.png")),
         ("sd_compare.png", "Rollout with vs without SD", _sd_compare_plot(cmp, run / "sd_compare.png")),
     ]
+    _overview([run / f for f, _, ok in plots if ok], run / "overview.png")
     parts = ["<html><head><meta charset='utf-8'><title>tlt run report</title>",
              "<style>body{font-family:sans-serif;max-width:1000px;margin:auto}img{max-width:48%;margin:4px}"
              "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px}</style></head><body>",
@@ -143,6 +162,14 @@ def make_report(run_dir: str | Path, summary: dict | None = None) -> Path:
         parts.append("<h2>Summary</h2><table>" + "".join(
             f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in summary.items())
             + "</table>")
+    length_rows = [r for r in rows if r.get("response_length/p50") is not None]
+    if length_rows:
+        cols = ("response_length/p50", "response_length/p90", "response_length/max")
+        parts.append("<h2>Response lengths per step</h2><table><tr><th>step</th><th>p50</th><th>p90</th><th>max</th>"
+                     "<th>max / p50</th></tr>" + "".join(
+                         f"<tr><td>{r['step']}</td>" + "".join(f"<td>{r[c]:.0f}</td>" for c in cols)
+                         + f"<td>{r['response_length/max'] / max(r['response_length/p50'], 1):.1f}</td></tr>"
+                         for r in length_rows) + "</table>")
     parts.append("<h2>Plots</h2>")
     parts += [f"<figure style='display:inline-block;width:48%'><img style='max-width:100%' src='{f}'>"
               f"<figcaption>{t}</figcaption></figure>" for f, t, ok in plots if ok]

@@ -11,6 +11,7 @@ assistant: SmolLM2-135M is the smallest of its family) and prompt-lookup decodin
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, results = [], {}
     for bs in sizes:
         for r in run_ours(model, tok, prompts, bs, strategies(drafter, a.depth), a.max_tokens, a.repeats, a.seed):
+            print(f"  bs {bs} {r['strategy']}: {r['tok_s']:.1f} tok/s ({r['speedup']:.2f}x)", file=sys.stderr, flush=True)
             rows.append(r)
             results[f"bs{bs}/{r['strategy']}"] = {k: r[k] for k in ("tok_s", "speedup", "accept_len", "sd_on")}
     print(f"model={model_dir} dtype={dtype} max_tokens={a.max_tokens} temperature=1.0 repeats={a.repeats} interleaved "
