@@ -75,6 +75,19 @@ def test_seeded_sampling_is_batch_independent(tiny_llama_dir):
     assert a[0].group_id == a[0].request_id
 
 
+def test_kv_cache_slots_follow_the_running_batch(tiny_llama_dir):
+    """max_num_seqs is a ceiling, not an allocation: 3 requests allocate one rounded group of 8 slots, 20 grow it,
+    and outputs do not depend on when the cache grew."""
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=64)
+    p = tlt.SamplingParams(temperature=0, max_tokens=8)
+    prompts = _prompts(3, seed=4)
+    few = llm.generate(prompts, p)
+    assert llm.engine.kv.slots == 8 and llm.engine.kv.k[0].shape[0] == 8
+    many = llm.generate(prompts + _prompts(17, seed=5), p)
+    assert llm.engine.kv.slots == 24
+    assert [o.outputs[0].token_ids for o in few] == [o.outputs[0].token_ids for o in many[:3]]
+
+
 def test_kv_budget_admission_never_overflows(tiny_llama_dir):
     llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=16, kv_cache_tokens=100)
     outs = llm.generate(_prompts(6, seed=3), tlt.SamplingParams(temperature=0, max_tokens=30))

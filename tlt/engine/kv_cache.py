@@ -2,7 +2,8 @@
 
 Each layer holds K and V as [num_slots, num_kv_heads, capacity, head_dim]. When a sequence finishes, the last
 running slot moves into its place (one copy per layer), keeping the running rows contiguous. Capacity along the
-length grows on demand (rounded up), so memory follows the longest running sequence, not the context limit.
+length grows on demand (rounded up), and so do the slots (up to num_slots, rounded up to slot_round): memory
+follows the longest running sequence and the number running, not the context limit times max_num_seqs.
 """
 from __future__ import annotations
 
@@ -14,27 +15,34 @@ from tlt.models.decoder import CacheView
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str,
-                 num_layers: int | None = None, round_to: int = 128):
+                 num_layers: int | None = None, round_to: int = 128, slot_round: int = 8):
         self.cfg, self.num_slots, self.dtype, self.device = cfg, num_slots, dtype, device
         self.num_layers = num_layers or cfg.num_layers
-        self.round_to = round_to
+        self.round_to, self.slot_round = round_to, slot_round
         self.capacity = 0
+        self.slots = 0  # allocated slots (<= num_slots)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
 
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * torch.finfo(self.dtype).bits // 8
 
-    def ensure_capacity(self, length: int) -> None:
-        if length <= self.capacity:
+    def ensure_capacity(self, length: int, slots: int | None = None) -> None:
+        """At least `length` positions for at least `slots` slots (default: those allocated, at least one)."""
+        slots = max(slots or 0, self.slots, 1)
+        if slots > self.num_slots:
+            raise ValueError(f"{slots} slots requested, the cache has {self.num_slots}")
+        if length <= self.capacity and slots <= self.slots:
             return
-        new_cap = -(-length // self.round_to) * self.round_to
-        shape = (self.num_slots, self.cfg.num_kv_heads, new_cap, self.cfg.head_dim)
+        new_cap = max(-(-length // self.round_to) * self.round_to, self.capacity)
+        new_slots = self.slots if slots <= self.slots else min(-(-slots // self.slot_round) * self.slot_round,
+                                                               self.num_slots)
+        shape = (new_slots, self.cfg.num_kv_heads, new_cap, self.cfg.head_dim)
         new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         for old, new in zip(self.k + self.v, new_k + new_v):
-            new[:, :, :self.capacity] = old
-        self.k, self.v, self.capacity = new_k, new_v, new_cap
+            new[:self.slots, :, :self.capacity] = old
+        self.k, self.v, self.capacity, self.slots = new_k, new_v, new_cap, new_slots
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot src's first `length` positions into slot dst (compaction after a sequence finishes)."""

@@ -42,7 +42,9 @@ class Scheduler:
             self.running.append(seq)
             admitted.append(seq)
         if admitted:
-            self.kv.ensure_capacity(longest)
+            self.kv.ensure_capacity(longest, len(self.running))
+            for cache in self.extra_caches:  # slot-indexed like the target's (their lengths grow on their own)
+                cache.ensure_capacity(0, len(self.running))
         return admitted
 
     def finish(self, done: list[Sequence]) -> None:

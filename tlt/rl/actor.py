@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tlt.config import ActorConfig
 from tlt.device import cpu_has_fast_bf16
 from tlt.models.decoder import Decoder
-from tlt.rl.losses import compute_actor_loss, entropy_from_logits
+from tlt.rl.losses import compute_actor_loss, entropy_from_log_probs
 from tlt.rl.rollout import ActorBatch
 
 
@@ -49,12 +49,14 @@ def split_groups(group_ids: list[int], num_chunks: int) -> list[list[int]]:
     return [[i for grp in order[bounds[k]:bounds[k + 1]] for i in grp] for k in range(num_chunks)]
 
 
-def response_log_probs(model: Decoder, batch: ActorBatch, with_entropy: bool = False
+def response_log_probs(model: Decoder, batch: ActorBatch, with_entropy: bool = False, entropy_grad: bool = True
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / T) of each response token -> ([n, R], entropy [n, R] or None).
 
     The logit at position t predicts token t + 1, so response token j of row b (at position p_b + j) is scored by
     the hidden state at p_b + j - 1. Only those R hidden states go through the LM head ([n, R, V], not [n, T, V]).
+    Memory: [n, R, V] fp32 tensors dominate the update, so one log-softmax serves both outputs, the temperature is
+    divided in place, and with entropy_grad=False (entropy only as a metric) the entropy keeps no graph.
     """
     n, r = batch.response_mask.shape
     hidden = model(batch.input_ids)  # [n, T, H]; causal, right padding needs no mask
@@ -63,9 +65,16 @@ def response_log_probs(model: Decoder, batch: ActorBatch, with_entropy: bool = F
     tgt = (batch.prompt_lens[:, None] + offsets).clamp(max=batch.input_ids.shape[1] - 1)  # [n, R]
     h = hidden.gather(1, src[..., None].expand(n, r, hidden.shape[-1]))  # [n, R, H]
     t = batch.temperature if batch.temperature > 0 else 1.0
-    logits = model.logits(h) / t  # [n, R, V] fp32
-    log_probs = logits.log_softmax(-1).gather(-1, batch.input_ids.gather(1, tgt)[..., None])[..., 0]
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    logits = model.logits(h)  # [n, R, V] fp32, a fresh tensor: safe to scale in place
+    if t != 1.0:
+        logits.div_(t)
+    logp = logits.log_softmax(-1)
+    del logits
+    log_probs = logp.gather(-1, batch.input_ids.gather(1, tgt)[..., None])[..., 0]
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_log_probs(logp)
     valid = offsets[None] < batch.response_lens[:, None]
     return log_probs * valid, None if entropy is None else entropy * valid
 
@@ -150,7 +159,8 @@ class Actor:
         num_micro = 0
         for mb in self._micro(batch, rows) if rows else []:
             with self.autocast():
-                log_probs, entropy = response_log_probs(self.model, mb, with_entropy=True)
+                log_probs, entropy = response_log_probs(self.model, mb, with_entropy=True,
+                                                        entropy_grad=bool(self.cfg.entropy_coeff))
             loss, metrics = compute_actor_loss(
                 log_probs.float(), mb.old_log_probs, mb.advantages, mb.response_mask, self.cfg,
                 ref_log_probs=mb.ref_log_probs, entropy=entropy, global_num_tokens=num_tokens,

@@ -77,7 +77,11 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
     log-probs are clamped to the fp32 minimum so that masked (-inf) logits give 0 * finite = 0, not NaN.
     """
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return entropy_from_log_probs(torch.log_softmax(logits.float(), dim=-1))
+
+
+def entropy_from_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
+    """[..., V] log-softmax output -> [...] entropy (when the caller already has the log-softmax)."""
     return -(log_probs.exp() * log_probs.clamp_min(torch.finfo(torch.float32).min)).sum(-1)
 
 
