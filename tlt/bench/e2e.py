@@ -37,6 +37,7 @@ import numpy as np
 from tlt.bench.common import print_json_line, print_table
 
 MODES = ("off", "always", "adaptive", "frozen", "ngram")
+DEFAULT_MODES = ("off", "always", "adaptive")  # each mode is a whole trainer process: ~5 GB for the default model
 # off: no SD; always: one fixed EAGLE chain at every batch size; adaptive: gate + bandit, drafter trained online;
 # frozen: adaptive with the warm-started drafter never trained; ngram: adaptive with model-free drafts only.
 STEP_SPEEDUP_GOAL = 1.7  # the paper's end-to-end headline (design doc section 9)
@@ -116,6 +117,15 @@ class RecordingHook:
         return getattr(self.inner, name)
 
 
+def _release_free_memory() -> None:
+    """Hand memory the allocator holds but no tensor uses back to the OS (glibc malloc_trim; a no-op elsewhere)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class TurnLogger:
     """Wraps the trainer's logger: after each step report to the parent and wait for this mode's next turn."""
 
@@ -126,6 +136,7 @@ class TurnLogger:
         self.inner.log(step, metrics)
         self.conn.send(("step", {"step": step, "metrics": dict(metrics), "scores": self.hook.scores,
                                  "lengths": self.hook.lengths}))
+        _release_free_memory()  # the waiting modes should not sit on the update's freed peak
         self.conn.recv()  # blocked (no CPU) until the parent says go
 
     def __getattr__(self, name):  # everything else the trainer calls (close, ...) goes to the real logger
@@ -291,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config", nargs="?", default=None, help="YAML config (default: configs/default.yaml if present)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     ap.add_argument("--steps", type=int, default=None, help="RL steps per mode (default: trainer.total_steps)")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                    help=f"comma-separated, from {','.join(MODES)}; each runs in its own process (memory adds up)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
     ap.add_argument("--out", default="runs/bench_e2e", help="run directories, metrics.jsonl and the PNG")
     ap.add_argument("--keep-checkpoints", action="store_true", help="keep the final-step checkpoints")
