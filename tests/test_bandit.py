@@ -127,3 +127,11 @@ def test_forget_retries_drafter_arms_first_and_keeps_the_rest():
     assert bandit.select(1) is CHAIN                  # tried again first
     bandit.update(1, CHAIN, 3.0, 1.0)
     assert bandit.select(1) is CHAIN
+
+
+def test_window_estimate_follows_evictions():
+    """The throughput estimate covers exactly the last `window` steps of an arm."""
+    bandit = _one_bucket([OFF, CHAIN], window=4)
+    for tokens in (100.0, 1.0, 2.0, 3.0, 4.0):  # the first step leaves the window
+        bandit.update(1, CHAIN, tokens, 1.0)
+    assert bandit.estimate(0, "chain4") == 10.0 / 4

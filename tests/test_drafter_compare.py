@@ -9,6 +9,11 @@ def test_accept_from_hits_counts_runs_and_caps_at_depth():
     assert accept_from_hits(hits, depth=8).tolist() == [3, 2, 1, 5, 4, 3, 2, 1]
     assert accept_from_hits(hits, depth=2).tolist() == [3, 2, 1, 3, 3, 3, 2, 1]
     assert accept_from_hits(torch.zeros(0, dtype=torch.bool)).numel() == 0
+    # packed rows: a run stops where the segment (window) changes
+    seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1, -1]])
+    assert accept_from_hits(hits[None], seg_ids=seg).tolist() == [[3, 2, 1, 5, 4, 3, 2, 1]]
+    assert accept_from_hits(torch.ones(1, 6, dtype=torch.bool), seg_ids=torch.tensor([[0, 0, 1, 1, 1, 2]])).tolist() \
+        == [[3, 2, 4, 3, 2, 2]]
 
 
 def test_ngram_hits_copy_a_sibling_in_lockstep_but_not_the_future():

@@ -20,13 +20,8 @@ def default_task_prompt_ids(tokenizer, n: int, seed: int = 0) -> list[list[int]]
 
 def median_time(fn: Callable[[], object], repeats: int) -> tuple[float, float, float, object]:
     """(median, min, max) seconds over `repeats` runs after one untimed warm-up, plus the last result."""
-    result = fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times), max(times), result
+    t = interleaved_times({"fn": fn}, repeats)["fn"]
+    return t["median"], t["min"], t["max"], t["result"]
 
 
 def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, dict]:

@@ -22,12 +22,17 @@ from tlt.spec.ngram import NgramDrafter
 DEPTH = 8
 
 
-def accept_from_hits(hits: torch.Tensor, depth: int = DEPTH) -> torch.Tensor:
-    """hits [T] bool -> accept length per position: 1 + consecutive hits starting there, capped at depth."""
-    run = torch.zeros(hits.shape[0] + 1, dtype=torch.long)
-    for i in range(hits.shape[0] - 1, -1, -1):
-        run[i] = run[i + 1] + 1 if hits[i] else 0
-    return run[:-1].clamp(max=depth) + 1
+def accept_from_hits(hits: torch.Tensor, depth: int = DEPTH, seg_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """hits [..., T] bool -> accept length per position: 1 + consecutive hits starting there, capped at depth.
+    seg_ids [..., T] (packed rows): a run stops where the segment changes."""
+    T = hits.shape[-1]
+    run = torch.zeros(*hits.shape[:-1], T + 1, dtype=torch.long)
+    for i in range(T - 1, -1, -1):
+        nxt = run[..., i + 1]
+        if seg_ids is not None and i + 1 < T:
+            nxt = torch.where(seg_ids[..., i + 1] == seg_ids[..., i], nxt, 0)
+        run[..., i] = torch.where(hits[..., i], nxt + 1, 0)
+    return run[..., :-1].clamp(max=depth) + 1
 
 
 def target_top1(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:

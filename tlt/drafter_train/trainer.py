@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from tlt.drafter_train.buffer import DrafterBuffer
+from tlt.drafter_train.compare import DEPTH, accept_from_hits
 from tlt.drafter_train.packing import PackedBatch
 from tlt.device import cpu_has_fast_bf16
 from tlt.spec.drafter import Drafter
@@ -182,20 +183,14 @@ class DrafterTrainer:
 
     # ---- evaluation ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, batch: PackedBatch, depth: int = 8) -> dict[str, float]:
+    def evaluate(self, batch: PackedBatch, depth: int = DEPTH) -> dict[str, float]:
         """Held-out top-1 accuracy and an accept-length proxy: mean over loss tokens of the run of consecutive
         teacher-forced top-1 hits starting there (capped at depth) plus the bonus token."""
         self.drafter.eval()
         _, correct, m = self._forward(batch)
         hit = torch.zeros_like(batch.loss_mask)
         hit[batch.loss_mask] = correct.cpu()
-        run = torch.zeros(batch.loss_mask.shape, dtype=torch.long)
-        T = hit.shape[1]
-        for i in range(T - 1, -1, -1):  # run[i] = hits starting at i within the same window
-            same = batch.seg_ids[:, i + 1] == batch.seg_ids[:, i] if i + 1 < T else torch.zeros_like(hit[:, 0])
-            nxt = run[:, i + 1] if i + 1 < T else torch.zeros_like(run[:, 0])
-            run[:, i] = torch.where(hit[:, i], 1 + torch.where(same, nxt, 0), 0)
-        accept = (run.clamp(max=depth)[batch.loss_mask].float() + 1).mean()
+        accept = accept_from_hits(hit, depth, seg_ids=batch.seg_ids)[batch.loss_mask].float().mean()
         return {"acc": m.acc, "loss": m.loss, "hidden_loss": m.hidden_loss, "ce": m.ce, "accept_proxy": float(accept)}
 
 

@@ -96,8 +96,10 @@ class StrategyBandit:
         self.epsilon, self.window = epsilon, window
         self.min_gain, self.margin, self.min_samples, self.recheck = min_gain, margin, min_samples, recheck
         self.rng = random.Random(seed)
-        # per bucket and arm: the last `window` steps as (tokens, seconds)
+        # per bucket and arm: the last `window` steps as (tokens, seconds), and their running sums [tokens, seconds]
+        # (select() runs every SD decode step: the estimate is O(1), not a pass over the window)
         self.steps = [{a.name: deque(maxlen=window) for a in bucket} for bucket in self.arms]
+        self.totals = [{a.name: [0.0, 0.0] for a in bucket} for bucket in self.arms]
         self.untried = [[a.name for a in bucket] for bucket in self.arms]  # in table order
         self.counts = [Counter() for _ in self.arms]   # choices per bucket and arm
 
@@ -121,7 +123,15 @@ class StrategyBandit:
 
     def update(self, batch_size: int, arm: Arm, tokens: float, seconds: float) -> None:
         """Record one step of `arm` run at `batch_size` (the size it was selected for): tokens emitted, seconds."""
-        self.steps[self.bucket(batch_size)][arm.name].append((float(tokens), float(seconds)))
+        b = self.bucket(batch_size)
+        steps, total = self.steps[b][arm.name], self.totals[b][arm.name]
+        if len(steps) == steps.maxlen:  # the oldest step leaves the window
+            old_tokens, old_seconds = steps[0]
+            total[0] -= old_tokens
+            total[1] -= old_seconds
+        steps.append((float(tokens), float(seconds)))
+        total[0] += float(tokens)
+        total[1] += float(seconds)
 
     def forget(self, methods: Sequence[str] = ("eagle_chain", "eagle_tree")) -> None:
         """Drop what was learned about arms of these methods (their drafter changed): they are tried again first."""
@@ -129,15 +139,16 @@ class StrategyBandit:
             for a in bucket:
                 if a.method in methods:
                     self.steps[b][a.name].clear()
+                    self.totals[b][a.name] = [0.0, 0.0]
                     if a.name not in self.untried[b]:
                         self.untried[b].append(a.name)
 
     def estimate(self, b: int, name: str) -> float:
         """Tokens/s of the arm over its window: sum(tokens) / sum(seconds); -inf before its first step."""
-        steps = self.steps[b][name]
-        if not steps:
+        if not self.steps[b][name]:
             return -math.inf
-        return sum(t for t, _ in steps) / max(sum(s for _, s in steps), 1e-9)
+        tokens, seconds = self.totals[b][name]
+        return tokens / max(seconds, 1e-9)
 
     def _best(self, b: int) -> Arm:
         arms = self.arms[b]
