@@ -15,6 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tlt.models.config import ModelConfig
+from tlt.models.kernels import Linear, linear, small_query_attention
+
+SMALL_QUERY = 16  # new tokens per row up to which cached attention uses small_query_attention
 
 
 @dataclass
@@ -79,8 +82,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -101,9 +104,14 @@ class Attention(nn.Module):
             s0 = cache.slot_start
             kc[rows + s0, :, cols] = k.transpose(1, 2)  # advanced indices first: [B, T, nkv, D]
             vc[rows + s0, :, cols] = v.transpose(1, 2)
-            k, v = kc[s0:s0 + B, :, :L], vc[s0:s0 + B, :, :L]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and cache is None and T > 1, enable_gqa=self.nkv != self.nh)
+            if T <= SMALL_QUERY:  # decode and verification: the whole (contiguous) capacity, masked beyond L
+                out = small_query_attention(q, kc[s0:s0 + B], vc[s0:s0 + B], mask)
+            else:
+                out = F.scaled_dot_product_attention(q, kc[s0:s0 + B, :, :L], vc[s0:s0 + B, :, :L], attn_mask=mask,
+                                                     enable_gqa=self.nkv != self.nh)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                                 enable_gqa=self.nkv != self.nh)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
@@ -113,8 +121,8 @@ class MLP(nn.Module):
         if cfg.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}: tlt supports 'silu'")
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -166,7 +174,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -195,4 +203,4 @@ class Decoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> fp32 logits [..., V]."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()

@@ -9,18 +9,18 @@ the LM head (the head dominates draft cost for a small target with a large vocab
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tlt.models.config import ModelConfig
 from tlt.models.decoder import CacheView, Decoder, DecoderLayer, Rotary, cache_mask
+from tlt.models.kernels import Linear, linear
 
 
 class Drafter(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
         self.layer = DecoderLayer(cfg, 0, input_norm=False)
         self.rotary = Rotary(cfg)
         self.register_buffer("d2t", None, persistent=False)  # [V_draft] target ids of the draft vocabulary
@@ -59,7 +59,7 @@ class Drafter(nn.Module):
             return w
         key = (w.data_ptr(), w._version, self.d2t.data_ptr(), w.dtype)
         if getattr(self, "_head_key", None) != key:
-            with torch.no_grad():
+            with torch.inference_mode(False), torch.no_grad():  # a normal tensor, so `linear` may prepack it
                 self._head = w[self.d2t].detach()
             self._head_key = key
         return self._head
@@ -67,7 +67,7 @@ class Drafter(nn.Module):
     def logits(self, pred_hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits over the draft vocabulary ([..., V_draft], fp32); map ids back with `to_target_ids`."""
         w = self.draft_head()
-        return F.linear(pred_hidden.to(w.dtype), w).float()
+        return linear(pred_hidden.to(w.dtype), w).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.d2t is None else self.d2t[draft_ids]
