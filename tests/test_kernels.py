@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import tlt
 from tlt.models import kernels
-from tlt.models.kernels import linear, small_query_attention
+from tlt.models.kernels import attention_bias, linear, small_query_attention
 
 
 def _can_pack() -> bool:
@@ -68,20 +68,24 @@ def test_linear_keeps_autograd_and_fp32_close():
 
 @pytest.mark.parametrize("T", [1, 3])
 def test_small_query_attention_matches_sdpa(T):
-    """GQA grouping (query head h reads KV head h // group), padding beyond L and an arbitrary mask."""
+    """GQA grouping (query head h reads KV head h // group), keys past L hidden, an arbitrary mask."""
     g = torch.Generator().manual_seed(T)
     B, nh, nkv, D, C, L = 3, 6, 2, 16, 20, 13
-    q = torch.randn(B, nh, T, D, generator=g)
+    q = torch.randn(B, T, nh, D, generator=g)
     k = torch.randn(B, nkv, C, D, generator=g)
     v = torch.randn(B, nkv, C, D, generator=g)
     mask = torch.rand(B, 1, T, L, generator=g) < 0.6
     mask[..., 0] = True  # every query sees a key
-    ref = F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L], attn_mask=mask, enable_gqa=True)
-    torch.testing.assert_close(small_query_attention(q, k, v, mask), ref, atol=1e-5, rtol=1e-5)
-    # negative control: the keys past L are really hidden (garbage there must not change the result)
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2), k[:, :, :L], v[:, :, :L], attn_mask=mask,
+                                         enable_gqa=True).transpose(1, 2)
+    bias = attention_bias(mask, C, q.dtype)
+    torch.testing.assert_close(small_query_attention(q, k, v, bias), ref, atol=1e-5, rtol=1e-5)
+    # negative control: garbage in the keys past L must not change the result, and does once they are visible
     k2, v2 = k.clone(), v.clone()
-    k2[:, :, L:], v2[:, :, L:] = 1e3, 1e3
-    torch.testing.assert_close(small_query_attention(q, k2, v2, mask), ref, atol=1e-5, rtol=1e-5)
+    k2[:, :, L:], v2[:, :, L:] = 3.0, 3.0
+    torch.testing.assert_close(small_query_attention(q, k2, v2, bias), ref, atol=1e-5, rtol=1e-5)
+    open_bias = attention_bias(torch.ones(B, 1, T, C, dtype=torch.bool), C, q.dtype)
+    assert not torch.allclose(small_query_attention(q, k2, v2, open_bias), ref, atol=1e-3)
 
 
 def _greedy(llm, prompts, n=12):

@@ -15,7 +15,7 @@ from tlt.models.decoder import CacheView
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str,
-                 num_layers: int | None = None, round_to: int = 128, slot_round: int = 8):
+                 num_layers: int | None = None, round_to: int = 32, slot_round: int = 8):
         self.cfg, self.num_slots, self.dtype, self.device = cfg, num_slots, dtype, device
         self.num_layers = num_layers or cfg.num_layers
         self.round_to, self.slot_round = round_to, slot_round

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tlt.models.config import ModelConfig
-from tlt.models.kernels import Linear, linear, small_query_attention
+from tlt.models.kernels import Linear, attention_bias, linear, small_query_attention
 
 SMALL_QUERY = 16  # new tokens per row up to which cached attention uses small_query_attention
 
@@ -39,10 +39,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype  # normalise in fp32 like transformers, then cast back before the scale
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # normalised in fp32 and cast back before the scale, like transformers (bit-identical to its formula)
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
 def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -67,14 +65,16 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", _inv_freq(cfg), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> (cos, signed sin), each [B, T, 1, D] in `dtype` (see `_rotate`)."""
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, D]
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat([cos, cos], -1).to(dtype)[:, :, None], torch.cat([-sin, sin], -1).to(dtype)[:, :, None]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' x * cos + rotate_half(x) * sin, bit for bit: rotate_half(x) * sin = [x2, x1] * [-sin, sin]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -87,32 +87,34 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, mask, cache: CacheView | None, write_idx):
+    def forward(self, x, cos, sin, mask, cache: CacheView | None, plan: "CachePlan | None"):
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        q = q.view(B, T, self.nh, self.hd)
-        k = k.view(B, T, self.nkv, self.hd)
-        v = v.view(B, T, self.nkv, self.hd)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = _rotate(q.transpose(1, 2), cos, sin)  # [B, nh, T, D]
-        k = _rotate(k.transpose(1, 2), cos, sin)  # [B, nkv, T, D]
-        v = v.transpose(1, 2)
-        if cache is not None:
-            rows, cols, L = write_idx
-            kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]
-            s0 = cache.slot_start
-            kc[rows + s0, :, cols] = k.transpose(1, 2)  # advanced indices first: [B, T, nkv, D]
-            vc[rows + s0, :, cols] = v.transpose(1, 2)
-            if T <= SMALL_QUERY:  # decode and verification: the whole (contiguous) capacity, masked beyond L
-                out = small_query_attention(q, kc[s0:s0 + B], vc[s0:s0 + B], mask)
-            else:
-                out = F.scaled_dot_product_attention(q, kc[s0:s0 + B, :, :L], vc[s0:s0 + B, :, :L], attn_mask=mask,
-                                                     enable_gqa=self.nkv != self.nh)
+        nh, nkv = self.nh, self.nkv
+        qkv = self.qkv_proj(x).view(B, T, nh + 2 * nkv, self.hd)  # heads in [B, T, H, D] until attention
+        if self.q_norm is None:
+            qk = _rotate(qkv[:, :, :nh + nkv], cos, sin)  # q and k heads rotated together
+            q, k = qk[:, :, :nh], qk[:, :, nh:]
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                                                 enable_gqa=self.nkv != self.nh)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+            q = _rotate(self.q_norm(qkv[:, :, :nh]), cos, sin)
+            k = _rotate(self.k_norm(qkv[:, :, nh:nh + nkv]), cos, sin)
+        v = qkv[:, :, nh + nkv:]
+        gqa = nkv != nh
+        if cache is None:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=gqa)
+            out = out.transpose(1, 2)
+        else:
+            kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]
+            kc[plan.rows, :, plan.cols] = k  # advanced indices first: the value is [B, T, nkv, D]
+            vc[plan.rows, :, plan.cols] = v
+            s0 = cache.slot_start
+            if plan.bias is not None:  # decode and verification: the whole (contiguous) capacity, biased
+                out = small_query_attention(q, kc[s0:s0 + B], vc[s0:s0 + B], plan.bias)
+            else:
+                L = plan.length
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), kc[s0:s0 + B, :, :L], vc[s0:s0 + B, :, :L],
+                                                     attn_mask=mask, enable_gqa=gqa).transpose(1, 2)
+        return self.o_proj(out.reshape(B, T, nh * self.hd))
 
 
 class MLP(nn.Module):
@@ -138,13 +140,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache=None, write_idx=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, write_idx)
+    def forward(self, x, cos, sin, mask, cache=None, plan=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def cache_mask(cache: CacheView, T: int, device) -> tuple[torch.Tensor, tuple]:
-    """Attention mask [B, 1, T, L] and write indices for T new tokens per row.
+@dataclass
+class CachePlan:
+    """Where a cached forward writes its new K/V and what its small-query attention adds to the scores."""
+    rows: torch.Tensor             # [B, T] cache slots of the new tokens (slot_start included)
+    cols: torch.Tensor             # [B, T] cache positions of the new tokens
+    length: int                    # keys to attend over: max cached + S + T
+    bias: torch.Tensor | None      # [B, 1, 1, T, capacity] 0 / -inf, when T <= SMALL_QUERY; else None (SDPA + mask)
+
+
+def cache_mask(cache: CacheView, T: int, device) -> tuple[torch.Tensor, CachePlan]:
+    """Attention mask [B, 1, T, L] and the write plan for T new tokens per row.
 
     Keys before `cache_lens` are visible to every new token; the S + T keys after it (speculative entries of this
     step, then the new tokens, written right after them) follow `tree_mask`.
@@ -154,7 +165,7 @@ def cache_mask(cache: CacheView, T: int, device) -> tuple[torch.Tensor, tuple]:
     tree = cache.tree_mask
     S = 0 if tree is None else tree.shape[-1] - T
     L = int(lens.max()) + S + T
-    rows = torch.arange(B, device=device)[:, None].expand(B, T)
+    rows = (torch.arange(B, device=device) + cache.slot_start)[:, None].expand(B, T)
     cols = lens[:, None] + S + torch.arange(T, device=device)  # [B, T] cache positions of the new tokens
     key = torch.arange(L, device=device)
     mask = (key[None, None, :] < lens[:, None, None]).expand(B, T, L).clone()  # committed prefix: always visible
@@ -163,7 +174,9 @@ def cache_mask(cache: CacheView, T: int, device) -> tuple[torch.Tensor, tuple]:
     tree_cols = lens[:, None] + torch.arange(S + T, device=device)  # [B, S + T]
     # Place the speculative block at each row's own offset (rows have different cache lengths).
     mask.scatter_(2, tree_cols[:, None, :].expand(B, T, S + T), tree.expand(B, T, S + T))
-    return mask[:, None], (rows, cols, L)
+    mask = mask[:, None]
+    bias = attention_bias(mask, cache.k[0].shape[2], cache.k[0].dtype) if T <= SMALL_QUERY else None
+    return mask, CachePlan(rows, cols, L, bias)
 
 
 class Decoder(nn.Module):
@@ -192,13 +205,13 @@ class Decoder(nn.Module):
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        write_idx = None
+        plan = None
         if cache is not None:
-            mask, write_idx = cache_mask(cache, T, input_ids.device)
+            mask, plan = cache_mask(cache, T, input_ids.device)
         else:
             mask = None if attn_mask is None else attn_mask[:, None]
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache, write_idx)
+            x = layer(x, cos, sin, mask, cache, plan)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -69,19 +69,28 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-def small_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [B, nh, T, D], k/v [B, nkv, C, D], mask [B, 1, T, L] bool (True = may attend; keys L..C-1 are hidden)
-    -> [B, nh, T, D]. Query head h reads KV head h // (nh / nkv), as in transformers' repeat_kv.
+def attention_bias(mask: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+    """mask [B, 1, T, L] bool (True = may attend) -> additive bias [B, 1, 1, T, capacity] (0 / -inf; keys from L on
+    are hidden), made once per forward and shared by every layer's `small_query_attention`."""
+    B, _, T, L = mask.shape
+    bias = torch.full((B, 1, 1, T, capacity), float("-inf"), dtype=dtype, device=mask.device)
+    bias[..., :L].masked_fill_(mask[:, :, None], 0.0)
+    return bias
 
-    Pass k/v contiguous (a cache's whole capacity C rather than a slice [:L]): the batched matmul then runs on the
-    tensors as they are, where a sliced K costs it a copy (5x slower at B = 64). Every row must see some key.
+
+def small_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """q [B, T, nh, D], k/v [B, nkv, C, D], bias [B, 1, 1, T, C] from `attention_bias` -> [B, T, nh, D].
+
+    Query head h reads KV head h // (nh / nkv), as in transformers' repeat_kv; the arithmetic is transformers' eager
+    attention (scores scaled and masked in the model dtype, softmax in fp32). Pass k/v contiguous (a cache's whole
+    capacity C rather than a slice [:L]): the batched matmul then runs on them as they are, where a sliced K costs
+    it a copy (5x slower at B = 64). Every query must see at least one key.
     """
-    B, nh, T, D = q.shape
+    B, T, nh, D = q.shape
     nkv, C = k.shape[1], k.shape[2]
-    L, g = mask.shape[-1], nh // nkv
-    qg = q.reshape(B, nkv, g * T, D)  # the heads of one KV group side by side
-    scores = torch.matmul(qg, k.transpose(-1, -2)).view(B, nkv, g, T, C).float()
-    scores[..., :L].mul_(D ** -0.5).masked_fill_(~mask[:, :, None], float("-inf"))
-    scores[..., L:] = float("-inf")
-    probs = scores.softmax(-1).to(q.dtype).view(B, nkv, g * T, C)
-    return torch.matmul(probs, v).view(B, nh, T, D)
+    g = nh // nkv
+    qg = q.transpose(1, 2).reshape(B, nkv, g * T, D)  # the heads of one KV group side by side
+    scores = torch.matmul(qg, k.transpose(-1, -2)).view(B, nkv, g, T, C)
+    scores = scores.mul_(D ** -0.5).add_(bias)
+    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype).view(B, nkv, g * T, C)
+    return torch.matmul(probs, v).view(B, nh, T, D).transpose(1, 2)

@@ -44,12 +44,12 @@ class Drafter(nn.Module):
             emb = self.target.embed_tokens(next_ids)
         x = self.fc(torch.cat([emb.to(hidden.dtype), hidden], dim=-1))
         cos, sin = self.rotary(positions, x.dtype)
-        write_idx = None
+        plan = None
         if cache is not None:
-            mask, write_idx = cache_mask(cache, next_ids.shape[1], next_ids.device)
+            mask, plan = cache_mask(cache, next_ids.shape[1], next_ids.device)
         else:
             mask = None if attn_mask is None else attn_mask[:, None]
-        return self.layer(x, cos, sin, mask, cache, write_idx)
+        return self.layer(x, cos, sin, mask, cache, plan)
 
     def draft_head(self) -> torch.Tensor:
         """The LM-head rows of the draft vocabulary [V_draft, H]. Slicing copies, so the slice is cached and taken
