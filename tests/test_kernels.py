@@ -108,3 +108,15 @@ def test_bf16_engine_same_with_and_without_packing_across_weight_updates(tiny_ll
             for p in llm.model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
     assert any(id(p) in kernels._PACKED for p in llm.model.parameters())
+
+
+@pytest.mark.parametrize("V", [49152, 1000, 100])
+def test_blocked_argmax_is_torch_argmax_with_first_max_ties(V):
+    from tlt.engine.sampler import argmax
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(6, V, generator=g).to(torch.bfloat16).float()  # bf16 values: many exact ties
+    x[0, 3] = x[0, V - 1] = 9.0           # tie across blocks: the first one wins
+    x[1, V // 2 + 1] = x[1, V // 2] = 9.0  # tie inside a block
+    x[2] = 0.0                             # all equal
+    assert torch.equal(argmax(x), x.argmax(-1))
+    assert argmax(x)[0] == 3 and argmax(x)[1] == V // 2 and argmax(x)[2] == 0

@@ -17,7 +17,7 @@ import torch
 from tlt.engine.kv_cache import KVCache
 from tlt.engine.model_runner import ModelRunner
 from tlt.engine.params import SamplingParams
-from tlt.engine.sampler import sample_from, target_logprobs, transform_logits
+from tlt.engine.sampler import argmax, sample_from, target_logprobs, transform_logits
 from tlt.engine.scheduler import Scheduler
 from tlt.engine.sequence import Sequence
 from tlt.models.decoder import Decoder
@@ -114,7 +114,7 @@ class LLMEngine:
         """Sample one token per row from logits [B, V]; hidden [B, H] produced them."""
         temp = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
         if all(s.params.temperature == 0 for s in seqs):
-            ids = logits.argmax(-1)
+            ids = argmax(logits)
         else:
             top_k = torch.tensor([s.params.top_k for s in seqs], device=logits.device)
             top_p = torch.tensor([s.params.top_p for s in seqs], device=logits.device)

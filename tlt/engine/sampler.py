@@ -28,9 +28,22 @@ def transform_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     if bool(greedy.any()):
-        onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        onehot = torch.zeros_like(probs).scatter_(1, argmax(logits)[:, None], 1.0)
         probs = torch.where(greedy[:, None], onehot, probs)
     return probs
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] -> the index of each row's first maximum, as `logits.argmax(-1)`, ~10x faster on CPU for a large
+    vocabulary: block maxima (a vectorised reduction) pick the first block holding the maximum, then the argmax
+    inside that block. torch's CPU argmax is not vectorised (3.8 ms for 64 x 49152 fp32 on one EPYC core)."""
+    N, V = logits.shape
+    block = next((b for b in (256, 128, 64) if V % b == 0 and V > b), None)
+    if block is None or logits.device.type != "cpu":
+        return logits.argmax(-1)
+    blocks = logits.reshape(N, V // block, block)
+    first = blocks.amax(-1).argmax(-1)
+    return first * block + blocks[torch.arange(N, device=logits.device), first].argmax(-1)
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -43,5 +56,6 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def target_logprobs(logits: torch.Tensor, temperature: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Log-prob of `ids` under softmax(logits / T) (raw softmax at T = 0), before top-k/top-p: the quantity an RL
     trainer recomputes as the old policy's log-prob (verl divides logits by the rollout temperature likewise)."""
-    t = torch.where(temperature <= 0, 1.0, temperature)[:, None]
-    return (logits / t).log_softmax(-1).gather(1, ids[:, None])[:, 0]
+    if bool(((temperature > 0) & (temperature != 1)).any()):
+        logits = logits / torch.where(temperature <= 0, 1.0, temperature)[:, None]
+    return logits.log_softmax(-1).gather(1, ids[:, None])[:, 0]
