@@ -11,7 +11,9 @@ tok/s = batch_size * max_tokens / wall time of the whole call (prefill included,
 ours then transformers back to back after one shorter warm run each; the median over repeats is reported, since
 a shared machine is noisy (the load average is printed). On CPU, bf16 can be much slower than fp32 for some
 matmul shapes (torch 2.13): run both dtypes before choosing one. `same` is the fraction of rows whose greedy
-tokens agree between the two (expect 1.00 in fp32; bf16 may part after rounding differences).
+tokens agree between the two. Random-token prompts give near-tied logits, so rows part after rounding differences:
+tlt's CPU matmuls run on oneDNN-prepacked weights (bit-identical to torch's bf16 matmul, not to its fp32 MKL one)
+and its decode attention is transformers' eager arithmetic, not SDPA's.
 """
 from __future__ import annotations
 
