@@ -103,7 +103,7 @@ def test_dominated_arms_are_explored_rarely():
     table = [OFF] + [Arm(f"chain{d}", "eagle_chain", d, 1, d) for d in (2, 3, 4, 5, 6)]
 
     def non_off_share(recheck):
-        bandit = _one_bucket(table, epsilon=0.1, recheck=recheck)
+        bandit = _one_bucket(table, epsilon=0.1, recheck=recheck, window=10**6)  # a window this long: no decay
         chosen = []
         for _ in range(4000):
             arm = bandit.select(1)
@@ -135,3 +135,27 @@ def test_window_estimate_follows_evictions():
     for tokens in (100.0, 1.0, 2.0, 3.0, 4.0):  # the first step leaves the window
         bandit.update(1, CHAIN, tokens, 1.0)
     assert bandit.estimate(0, "chain4") == 10.0 / 4
+
+
+def test_exploration_decays_and_restarts_on_forget():
+    """An arm just inside the margin (0.9x of "off") is explored on a share of the steps that falls as the bucket
+    gathers steps, and rises again after forget() (a new drafter). Control: without decay (a very long window) the
+    share stays at ~epsilon / 2."""
+    near = Arm("ngram4", "ngram", 4, 1, 4)
+
+    def shares(window):
+        bandit = _one_bucket([OFF, near], epsilon=0.2, window=window)
+        chosen = []
+        for step in range(6000):
+            if step == 4000:
+                bandit.forget(("ngram",))
+            arm = bandit.select(1)
+            bandit.update(1, arm, 1.0 if arm is OFF else 0.9, 1.0)
+            chosen.append(arm is near)
+        share = lambda a, b: sum(chosen[a:b]) / (b - a)  # noqa: E731
+        return share(10, 1000), share(3000, 4000), share(4001, 5000)
+
+    early, late, after_forget = shares(window=300)
+    assert early > 2 * late and after_forget > 2 * late and late < 0.03
+    flat = shares(window=10**6)
+    assert all(0.06 < x < 0.14 for x in flat)  # control: epsilon 0.2, two live arms -> ~0.1 throughout

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from tests.conftest import make_tiny_checkpoint
 from tlt import bench
 from tlt.bench import decode
@@ -24,3 +26,39 @@ def test_bench_dispatch_lists_available(capsys):
     assert "decode" in bench.available() and "common" not in bench.available()
     assert bench.main(["no-such-bench"]) == 2
     assert "available: " in capsys.readouterr().err
+
+
+class _UniformModel(torch.nn.Module):
+    """Every position predicts a uniform distribution over V tokens: top-k mass k / V exactly."""
+
+    def __init__(self, V: int):
+        super().__init__()
+        self.V = V
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, ids):
+        return torch.zeros(*ids.shape, 1)
+
+    def logits(self, hidden):
+        return torch.zeros(*hidden.shape[:-1], self.V)
+
+
+def test_oracle_accept_bound_exact_on_a_uniform_model():
+    from tlt.bench.spec import oracle_accept_bound
+    n, depth = 10, 2
+    got = oracle_accept_bound(_UniformModel(4), [([1, 2], list(range(n)))], depth, topks=(1, 2))
+    for k in (1, 2):
+        m = k / 4
+        # positions 0..n-2 see 1 + m + m^2, the last one only 1 + m (nothing after it to draft)
+        want = ((n - 1) * (1 + m + m * m) + (1 + m)) / n
+        assert abs(got[k] - want) < 1e-9, (k, got[k], want)
+
+
+def test_oracle_accept_bound_on_a_real_model_is_ordered(tiny_llama_dir):
+    from tlt.bench.spec import oracle_accept_bound
+    from tlt.models import load_model
+    model = load_model(tiny_llama_dir)
+    pairs = [([3, 4, 5], [7, 8, 9, 10, 11, 12]), ([9], [1, 2, 3])]
+    b4, b8 = oracle_accept_bound(model, pairs, 4), oracle_accept_bound(model, pairs, 8)
+    assert 1.0 < b4[1] < b4[2] < b4[4] <= 5.0  # more children, more mass; at most 1 + depth
+    assert all(b8[k] >= b4[k] for k in b4)

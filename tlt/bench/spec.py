@@ -34,8 +34,9 @@ def strategies(drafter: str | None, depth: int) -> dict[str, dict | None]:
     return s
 
 
-def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens, repeats, seed) -> list[dict]:
-    """All strategies at one batch size, timed interleaved; speedup = median over rounds of plain / strategy."""
+def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens, repeats, seed):
+    """All strategies at one batch size, timed interleaved; speedup = median over rounds of plain / strategy.
+    Returns the rows and plain decoding's (prompt, response) pairs."""
     params = tlt.SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, ignore_eos=True)
     batch = prompts[:bs]
     llms = {name: tlt.LLM(model, tokenizer=tok, max_num_seqs=max(bs, 1), speculative_config=spec)
@@ -56,7 +57,7 @@ def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens,
                      "speedup": paired_speedup(timed["plain"]["times"], t["times"]),
                      "spread": f"{t['min']:.2f}-{t['max']:.2f}", "accept_len": stats.get("spec_accept_length"),
                      "sd_on": stats.get("spec_on_fraction")})
-    return rows
+    return rows, [(p, o.outputs[0].token_ids) for p, o in zip(batch, timed["plain"]["result"])]
 
 
 def run_hf_assisted(model_dir, prompt, max_tokens, repeats, dtype):
@@ -106,13 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     prompts = default_task_prompt_ids(tok, max(sizes), seed=a.seed + 1000)
     rows, results = [], {}
     for bs in sizes:
-        for r in run_ours(model, tok, prompts, bs, strategies(drafter, a.depth), a.max_tokens, a.repeats, a.seed):
+        bs_rows, pairs = run_ours(model, tok, prompts, bs, strategies(drafter, a.depth), a.max_tokens, a.repeats, a.seed)
+        for r in bs_rows:
             print(f"  bs {bs} {r['strategy']}: {r['tok_s']:.1f} tok/s ({r['speedup']:.2f}x)", file=sys.stderr, flush=True)
             rows.append(r)
             results[f"bs{bs}/{r['strategy']}"] = {k: r[k] for k in ("tok_s", "speedup", "accept_len", "sd_on")}
     print(f"model={model_dir} dtype={dtype} max_tokens={a.max_tokens} temperature=1.0 repeats={a.repeats} interleaved "
           f"(median; speedup = median over rounds of plain/strategy time) threads={torch.get_num_threads()}")
     print_table(rows, ["bs", "strategy", "tok_s", "speedup", "accept_len", "sd_on", "spread"])
+    # pairs: plain decoding's responses at the largest batch size
+    bound = {d: oracle_accept_bound(model, pairs, d) for d in sorted({a.depth, 2 * a.depth})}
+    print(f"\naccept length an oracle drafter could reach on plain decoding's {len(pairs)} responses (estimate; the "
+          f"target-only rule accepts at most the children's target mass):")
+    print_table([{"depth": d, **{f"top{k}": v for k, v in b.items()}} for d, b in bound.items()],
+                ["depth", "top1", "top2", "top4"])
+    results["oracle_accept_bound"] = {f"depth{d}/top{k}": v for d, b in bound.items() for k, v in b.items()}
     if not a.skip_hf:
         hf = run_hf_assisted(model_dir, prompts[0], a.max_tokens, a.repeats, dtype)
         print("\ntransformers at bs 1 (same prompt, temperature 1):")
@@ -120,3 +129,33 @@ def main(argv: list[str] | None = None) -> int:
         results.update({f"bs1/{k}": v["tok_s"] for k, v in hf.items()})
     print_json_line("spec", {"model": model_dir, "dtype": str(dtype), "max_tokens": a.max_tokens, "results": results})
     return 0
+
+
+@torch.inference_mode()
+def oracle_accept_bound(model, pairs: list[tuple[list[int], list[int]]], depth: int,
+                        topks: tuple[int, ...] = (1, 2, 4)) -> dict[int, float]:
+    """Estimated accept length an oracle drafter could reach on these sampled responses (temperature 1).
+
+    Under the target-only rule a node's children are accepted with probability at most their target mass: at most
+    p_max for a chain, at most the top-k mass m_k for a tree with k children per node. Along each response,
+    bound(t) = 1 + sum_{d=1..depth} prod_{j<d} m_k(t + j) (positions past the end contribute 0). It is an estimate
+    (the masses are read along the sampled path, not the drafted one), and it bounds any drafter, however trained.
+    """
+    sums = {k: [] for k in topks}
+    for prompt, resp in pairs:
+        if not resp:
+            continue
+        ids = torch.tensor([prompt + resp], device=next(model.parameters()).device)
+        logits = model.logits(model(ids)[0, len(prompt) - 1:-1])              # [n, V]: predicts each response token
+        top = logits.softmax(-1).topk(max(topks), dim=-1).values.cumsum(-1)   # [n, K] top-k mass
+        n = len(resp)
+        for k in topks:
+            m = top[:, k - 1].double()
+            acc, prod = torch.ones(n, dtype=torch.double), torch.ones(n, dtype=torch.double)
+            for d in range(min(depth, n)):
+                nxt = torch.zeros(n, dtype=torch.double)
+                nxt[:n - d] = m[d:]
+                prod = prod * nxt
+                acc += prod
+            sums[k].append(acc)
+    return {k: float(torch.cat(v).mean()) if v else float("nan") for k, v in sums.items()}

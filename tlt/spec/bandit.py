@@ -14,6 +14,9 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   `margin`) except with probability `recheck`, so once SD is known not to pay, exploring costs ~epsilon * recheck
   of the steps instead of ~epsilon; `forget` (called when a new drafter is published) makes the learned-drafter
   arms untried again, since their old rewards describe the old drafter.
+- Exploration decays: a bucket explores with probability epsilon * window / (window + n), n = its steps since the
+  last `forget`. An arm just inside the margin (an n-gram arm at 0.85-0.9x of "off", say) is otherwise explored on
+  a steady share of the steps forever; a new drafter restarts the count, since that is when arms change.
 """
 from __future__ import annotations
 
@@ -102,6 +105,7 @@ class StrategyBandit:
         self.totals = [{a.name: [0.0, 0.0] for a in bucket} for bucket in self.arms]
         self.untried = [[a.name for a in bucket] for bucket in self.arms]  # in table order
         self.counts = [Counter() for _ in self.arms]   # choices per bucket and arm
+        self.since_forget = [0 for _ in self.arms]     # choices per bucket since the last forget (decays epsilon)
 
     def bucket(self, batch_size: int) -> int:
         return next(i for i, hi in enumerate(self.bounds) if batch_size <= hi)
@@ -112,13 +116,14 @@ class StrategyBandit:
         if self.untried[b]:
             name = self.untried[b].pop(0)
             arm = next(a for a in arms if a.name == name)
-        elif self.rng.random() < self.epsilon:
+        elif self.rng.random() < self.epsilon * self.window / (self.window + self.since_forget[b]):
             best = self._best(b)
             live = [a for a in arms if not self._dominated(b, a.name, best)]
             arm = self.rng.choice(arms if self.rng.random() < self.recheck else live)
         else:
             arm = self._best(b)
         self.counts[b][arm.name] += 1
+        self.since_forget[b] += 1
         return arm
 
     def update(self, batch_size: int, arm: Arm, tokens: float, seconds: float) -> None:
@@ -136,6 +141,7 @@ class StrategyBandit:
     def forget(self, methods: Sequence[str] = ("eagle_chain", "eagle_tree")) -> None:
         """Drop what was learned about arms of these methods (their drafter changed): they are tried again first."""
         for b, bucket in enumerate(self.arms):
+            self.since_forget[b] = 0
             for a in bucket:
                 if a.method in methods:
                     self.steps[b][a.name].clear()
