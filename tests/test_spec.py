@@ -160,3 +160,26 @@ def test_cache_growth_mid_speculation(sharp_llama):
     out = llm.generate([[5, 6]], tlt.SamplingParams(temperature=0, max_tokens=124, ignore_eos=True))[0].outputs[0]
     ref = tlt.LLM(model).generate([[5, 6]], tlt.SamplingParams(temperature=0, max_tokens=124, ignore_eos=True))
     assert out.token_ids == ref[0].outputs[0].token_ids
+
+
+def test_drafter_catch_up_with_uneven_rows_in_a_tight_cache(sharp_llama, monkeypatch):
+    """A request joins while another row is deep into SD: the catch-up pads rows to the longest one, so the deep
+    row's padding writes past its own end. The drafter cache must have room for that even when its capacity is
+    exact (round_to=1). The test checks that the case occurred (padding past the capacity before the call)."""
+    model, drafter_dir = sharp_llama
+    prompts = _prompts(128, n=8, seed=2)  # a seed whose schedule hits the case (asserted below)
+    p = tlt.SamplingParams(temperature=0, max_tokens=40)
+    ref = [o.outputs[0].token_ids for o in tlt.LLM(model, max_num_seqs=2).generate(prompts, p)]
+    llm = tlt.LLM(model, max_num_seqs=2, speculative_config=dict(CHAIN, model=drafter_dir))
+    llm.spec.dcache.round_to = 1
+    overflows, catch_up = [], SpecDecoder._drafter_catch_up
+
+    def watched(self, seqs):
+        starts = [self.dcached[s.seq_id] for s in seqs]
+        T = max(s.num_cached - st for s, st in zip(seqs, starts))
+        room = max(self.dcache.capacity, max(s.num_cached for s in seqs) + 1)  # what the catch-up used to ensure
+        overflows.append(max(starts) + T > room)
+        return catch_up(self, seqs)
+    monkeypatch.setattr(SpecDecoder, "_drafter_catch_up", watched)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == ref
+    assert any(overflows), "no catch-up padded past the capacity: the case under test did not occur"

@@ -192,7 +192,8 @@ class SpecDecoder:
             hid[i, :c] = self.hist[s.seq_id][st - 1:e]
             ids[i, :c] = torch.tensor(all_ids[st:e + 1], device=dev)
             pos[i, :c] = torch.arange(st, e + 1, device=dev)
-        self.dcache.ensure_capacity(max(ends) + 1)
+        # rows are padded to T, so a row deep into SD writes its padding up to (its cached entries) + T
+        self.dcache.ensure_capacity(max(st - 1 for st in starts) + T)
         lens = torch.tensor([st - 1 for st in starts], device=dev)
         with torch.inference_mode():
             out = self.drafter(hid, ids, pos, self.dcache.view(lens))
