@@ -58,7 +58,7 @@ class SpecDecoder:
 
     # ---- stats ----------------------------------------------------------------------------------------------
     def reset_stats(self) -> None:
-        self.st = {"verify_steps": 0, "emitted": 0, "plain_steps": 0, "spec_on_steps": 0,
+        self.st = {"verify_steps": 0, "emitted": 0, "plain_steps": 0, "gate_steps": 0, "spec_on_steps": 0,
                    "accept_by_bucket": defaultdict(lambda: [0, 0]), "accept_by_pos": defaultdict(lambda: [0, 0]),
                    "arm_counts": defaultdict(int), "draft_time_s": 0.0, "verify_time_s": 0.0,
                    "bulk_time_s": 0.0, "tail_time_s": 0.0}
@@ -66,11 +66,13 @@ class SpecDecoder:
 
     def stats(self) -> dict:
         s = self.st
-        total = s["spec_on_steps"] + s["plain_steps"]
+        total = s["gate_steps"] + s["plain_steps"]
         return {
             # NaN, not 0, when nothing was verified (logged as null): an accept length is always >= 1
             "spec_accept_length": s["emitted"] / s["verify_steps"] if s["verify_steps"] else float("nan"),
+            # decode steps that drafted and verified; the gate may be open while the bandit picks plain decoding
             "spec_on_fraction": s["spec_on_steps"] / max(total, 1),
+            "spec_gate_open_fraction": s["gate_steps"] / max(total, 1),
             "spec_accept_length_by_bucket": {b: e / max(n, 1) for b, (e, n) in sorted(s["accept_by_bucket"].items())},
             "spec_accept_rate_by_position": {d: a / max(n, 1) for d, (a, n) in sorted(s["accept_by_pos"].items())},
             "spec_arm_counts": dict(s["arm_counts"]),
@@ -133,7 +135,8 @@ class SpecDecoder:
         arm = self.bandit.select(len(seqs))
         bucket = self.bandit.bucket_name(self.bandit.bucket(len(seqs)))
         self.st["arm_counts"][f"{bucket}:{arm.name}"] += 1
-        self.st["spec_on_steps"] += 1
+        self.st["gate_steps"] += 1
+        self.st["spec_on_steps"] += arm.method != "off"
         if arm.method == "off":
             logits, hidden = self.engine.runner.decode(seqs)
             self.on_plain_decode(seqs, hidden)
@@ -192,9 +195,10 @@ class SpecDecoder:
             hid[i, :c] = self.hist[s.seq_id][st - 1:e]
             ids[i, :c] = torch.tensor(all_ids[st:e + 1], device=dev)
             pos[i, :c] = torch.arange(st, e + 1, device=dev)
+        cached = [st - 1 for st in starts]
         # rows are padded to T, so a row deep into SD writes its padding up to (its cached entries) + T
-        self.dcache.ensure_capacity(max(st - 1 for st in starts) + T)
-        lens = torch.tensor([st - 1 for st in starts], device=dev)
+        self.dcache.ensure_capacity(max(cached) + T)
+        lens = torch.tensor(cached, device=dev)
         with torch.inference_mode():
             out = self.drafter(hid, ids, pos, self.dcache.view(lens))
         for s, e in zip(seqs, ends):
