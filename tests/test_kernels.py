@@ -10,15 +10,19 @@ from tlt.models import kernels
 from tlt.models.kernels import attention_bias, linear, small_query_attention
 
 
-def _can_pack() -> bool:
+def _can_pack(dtype=torch.bfloat16) -> bool:
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.ones(4, 4, dtype=torch.bfloat16), 1)
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(4, 4, dtype=dtype), 1)
         return True
     except (RuntimeError, AttributeError):
         return False
 
 
-needs_pack = pytest.mark.skipif(not _can_pack(), reason="this torch build has no oneDNN weight prepacking")
+needs_pack = pytest.mark.skipif(not _can_pack(), reason="no oneDNN bf16 prepacking here (torch build or CPU)")
+
+
+needs_small_gemm = pytest.mark.skipif(kernels.small_gemm_lib() is None,
+                                      reason="no C compiler or no AVX2: the small-row fp32 kernel cannot be built")
 
 
 @needs_pack
@@ -29,28 +33,70 @@ def test_packed_bf16_linear_is_bit_identical_and_used():
     for shape in [(1, 64), (3, 5, 64), (70, 64)]:
         x = torch.randn(*shape, generator=g).to(torch.bfloat16)
         with torch.inference_mode():
+            assert kernels.matmul_path(x, w) == "onednn"
             assert torch.equal(linear(x, w, b), F.linear(x, w, b))
             assert torch.equal(linear(x, w), F.linear(x, w))
-    assert id(w) in kernels._PACKED  # the packed path ran, not the fallback
+    assert (id(w), "onednn") in kernels._PACKED  # the packed path ran, not the fallback
 
 
-@needs_pack
-def test_packed_weight_follows_in_place_updates():
+@needs_small_gemm
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 128])
+def test_small_gemm_matches_float64(rows):
+    """Row counts around the kernel's 4-row blocks, N not a multiple of its 16-column panels, bias or none."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(100, 72, generator=g)
+    b = torch.randn(100, generator=g)
+    x = torch.randn(rows, 72, generator=g)
+    with kernels.backend("small_gemm"), torch.inference_mode():
+        assert kernels.matmul_path(x, w) == "small_gemm"
+        for bias in (b, None):
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double()).float()
+            got = linear(x, w, bias)
+            torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+            # negative control: a result one column off (the panel edge handling) is caught at this tolerance
+            assert not torch.allclose(torch.roll(got, 1, -1), ref, atol=2e-5, rtol=1e-5)
+        # leading dimensions are flattened into rows and restored
+        x3 = x.view(rows, 1, 72).expand(rows, 2, 72)
+        torch.testing.assert_close(linear(x3, w, b), F.linear(x3, w, b), atol=1e-4, rtol=1e-5)
+
+
+@needs_small_gemm
+def test_small_gemm_only_for_fp32_small_rows_without_autograd():
+    w = torch.nn.Parameter(torch.randn(32, 16))
+    with kernels.backend("small_gemm"):
+        assert kernels.matmul_path(torch.randn(4, 16), w) == "torch"  # autograd on: training's path
+        with torch.inference_mode():
+            assert kernels.matmul_path(torch.randn(4, 16), w) == "small_gemm"
+            assert kernels.matmul_path(torch.randn(kernels.SMALL_GEMM_MAX_ROWS + 1, 16), w) == "torch"
+            assert kernels.matmul_path(torch.randn(4, 16, dtype=torch.bfloat16), w.bfloat16()) != "small_gemm"
+    with pytest.raises(ValueError, match="valid: auto, torch, onednn, small_gemm"):
+        with kernels.backend("mkl"):
+            pass
+
+
+@pytest.mark.parametrize("path,dtype", [("onednn", torch.bfloat16), ("onednn", torch.float32),
+                                        ("small_gemm", torch.float32)])
+def test_packed_weight_follows_in_place_updates(path, dtype):
     """An optimizer step or load_state_dict changes weights in place: the next call must use the new values."""
+    if (path == "onednn" and not _can_pack(dtype)) or (path == "small_gemm" and kernels.small_gemm_lib() is None):
+        pytest.skip(f"{path} is not available here")
     g = torch.Generator().manual_seed(1)
-    w = torch.nn.Parameter(torch.randn(32, 16, generator=g).to(torch.bfloat16))
-    x = torch.randn(4, 16, generator=g).to(torch.bfloat16)
-    with torch.inference_mode():
+    w = torch.nn.Parameter(torch.randn(32, 16, generator=g).to(dtype))
+    x = torch.randn(4, 16, generator=g).to(dtype)
+    with kernels.backend(path), torch.inference_mode():
         before = linear(x, w)
-    stale = kernels._PACKED[id(w)][3]
+    stale = kernels._PACKED[(id(w), path)][3]
     with torch.no_grad():
         w.mul_(-2.0)
-    with torch.inference_mode():
+    with kernels.backend(path), torch.inference_mode():
         after = linear(x, w)
-        assert torch.equal(after, F.linear(x, w))
+        torch.testing.assert_close(after, F.linear(x, w), atol=1e-5, rtol=1e-5)
         # negative control: the packed copy from before the update would have given the old result
-        old = torch.ops.mkldnn._linear_pointwise(x, stale, None, "none", [], "")
-    assert torch.equal(old, before) and not torch.equal(old, after)
+        if path == "onednn":
+            old = torch.ops.mkldnn._linear_pointwise(x, stale, None, "none", [], "")
+        else:
+            old = kernels._small_gemm(x, stale, 32, None)
+    assert torch.equal(old, before) and not torch.allclose(old, after)
 
 
 def test_linear_keeps_autograd_and_fp32_close():
@@ -59,10 +105,10 @@ def test_linear_keeps_autograd_and_fp32_close():
     x = torch.randn(5, 8, generator=g)
     y = linear(x, w)  # grad mode: plain F.linear, differentiable
     y.sum().backward()
-    assert w.grad is not None and id(w) not in kernels._PACKED
+    assert w.grad is not None and not any(k[0] == id(w) for k in kernels._PACKED)
     with torch.inference_mode():
         torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
-    with kernels.packing(False), torch.inference_mode():
+    with kernels.backend("torch"), torch.inference_mode():
         assert torch.equal(linear(x, w), F.linear(x, w))
 
 
@@ -94,20 +140,29 @@ def _greedy(llm, prompts, n=12):
                                                                                    sampling_params=p)]
 
 
-@needs_pack
-def test_bf16_engine_same_with_and_without_packing_across_weight_updates(tiny_llama_dir):
-    """The RL loop's case: generate, update the weights in place, generate again; packed == unpacked each time."""
-    llm = tlt.LLM(model=tiny_llama_dir, dtype="bfloat16", device="cpu", skip_tokenizer_init=True)
+@pytest.mark.parametrize("path,dtype", [("onednn", "bfloat16"), ("onednn", "float32"), ("small_gemm", "float32")])
+def test_engine_same_with_each_matmul_path_across_weight_updates(tiny_llama_dir, path, dtype):
+    """The RL loop's case: generate, update the weights in place, generate again; the fast path gives torch's
+    tokens each time (bit-identical logprobs for bf16 oneDNN, within 1e-4 in fp32)."""
+    if (path == "onednn" and not _can_pack(getattr(torch, dtype))) or (path == "small_gemm" and kernels.small_gemm_lib() is None):
+        pytest.skip(f"{path} is not available here")
+    llm = tlt.LLM(model=tiny_llama_dir, dtype=dtype, device="cpu", skip_tokenizer_init=True)
     prompts = [[5, 9, 2, 7], [3, 1], [11, 12, 13, 14, 15, 16]]
     for step in range(2):
-        packed = _greedy(llm, prompts)
-        with kernels.packing(False):
+        with kernels.backend(path):
+            fast = _greedy(llm, prompts)
+        with kernels.backend("torch"):
             plain = _greedy(llm, prompts)
-        assert packed == plain, f"step {step}"
+        assert [t for t, _ in fast] == [t for t, _ in plain], f"step {step}"
+        for (_, a), (_, b) in zip(fast, plain):
+            if dtype == "bfloat16":
+                assert a == b
+            else:
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
         with torch.no_grad():  # an "optimizer step": every weight changes in place
             for p in llm.model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
-    assert any(id(p) in kernels._PACKED for p in llm.model.parameters())
+    assert any((id(p), path) in kernels._PACKED for p in llm.model.parameters())
 
 
 @pytest.mark.parametrize("V", [49152, 1000, 100])
