@@ -28,7 +28,7 @@ import torch
 
 import tlt
 from tlt.bench.common import print_json_line, print_table
-from tlt.device import DTYPES
+from tlt.device import DTYPES, resolve_device
 
 # Random Llamas with SmolLM2's tokenizer shape (vocab 49152, tied embeddings); random weights are fine for speed.
 RANDOM_MODELS = {
@@ -50,6 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per cell; the median is reported")
     ap.add_argument("--no-hf", action="store_true", help="time only tlt (no transformers baseline)")
+    ap.add_argument("--device", default="cpu", help="cpu (the 2x goal's setting), cuda or auto")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 = torch's default")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
@@ -95,9 +96,10 @@ def bench_model(name: str, model_dir: Path, dtype_name: str, args) -> list[dict]
     from transformers import AutoModelForCausalLM, GenerationConfig
     dtype = DTYPES[dtype_name]
     bss = [int(b) for b in args.batch_sizes.split(",")]
-    ours = tlt.LLM(model=model_dir, dtype=dtype_name, device="cpu", max_num_seqs=max(bss), skip_tokenizer_init=True,
+    device = resolve_device(args.device)
+    ours = tlt.LLM(model=model_dir, dtype=dtype_name, device=str(device), max_num_seqs=max(bss), skip_tokenizer_init=True,
                    max_model_len=args.prompt_len + args.max_tokens + 1)
-    hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     vocab = ours.model.cfg.vocab_size
     g = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(min(100, vocab // 2), vocab, (max(bss), args.prompt_len), generator=g)
@@ -111,7 +113,7 @@ def bench_model(name: str, model_dir: Path, dtype_name: str, args) -> list[dict]
         # a fresh GenerationConfig: no EOS to stop at or suppress, exactly n new tokens
         gc = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
                               eos_token_id=None, bos_token_id=None)
-        ids = prompts[:bs]
+        ids = prompts[:bs].to(device)
         with torch.inference_mode():
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
         return out[:, ids.shape[1]:].tolist()
@@ -153,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     load0 = os.getloadavg()
-    print(f"decode bench: torch {torch.__version__}, {torch.get_num_threads()} threads, load avg {load0[0]:.2f}; "
+    device = resolve_device(args.device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"decode bench on {where}: torch {torch.__version__}, {torch.get_num_threads()} threads, load avg {load0[0]:.2f}; "
           f"prompt {args.prompt_len} + {args.max_tokens} new tokens, greedy, median of {args.repeats}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tlt-bench-") as scratch:
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, ["model", "bs", "dtype", "ours_tok_s", "hf_tok_s", "ratio", "same"])
     load1 = os.getloadavg()
     print(f"load avg before/after: {load0[0]:.2f} / {load1[0]:.2f} (above the core count, numbers are noisy)")
-    print_json_line("decode", {"torch": torch.__version__, "threads": torch.get_num_threads(),
+    print_json_line("decode", {"device": where, "torch": torch.__version__, "threads": torch.get_num_threads(),
                                "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                                "repeats": args.repeats, "load_avg": [load0[0], load1[0]], "rows": rows})
     return 0

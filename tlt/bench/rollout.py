@@ -25,6 +25,7 @@ import torch
 
 import tlt
 from tlt.bench.common import default_task_prompt_ids, print_json_line, print_table
+from tlt.device import resolve_device, resolve_dtype
 
 MODES = ("off", "always", "adaptive", "ngram")
 
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or auto (bf16 where fast)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
     a = ap.parse_args(argv)
@@ -89,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     from tlt.models import load_model, load_tokenizer
     from tlt.models.smollm import default_model_path
     model_dir = a.model or str(default_model_path())
-    model, tok = load_model(model_dir, dtype=torch.float32), load_tokenizer(model_dir)
+    device = resolve_device(a.device)
+    model = load_model(model_dir, dtype=resolve_dtype(a.dtype, device), device=str(device))
+    tok = load_tokenizer(model_dir)
     drafter, note = a.drafter, f"drafter {a.drafter}"
     if drafter is None:
         from tlt.drafter_train.offline import drafter_cache_dir
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in res.values():
         v["speedup"] = base / v["wall_s"] if base else None
         v["tok_x"] = v["tok_s"] / base_tok_s if base_tok_s else None
-    print(f"model={model_dir} prompts={a.prompts} n={a.n} max_tokens={a.max_tokens} temperature=1.0 "
+    print(f"model={model_dir} device={device} dtype={a.dtype} prompts={a.prompts} n={a.n} max_tokens={a.max_tokens} temperature=1.0 "
           f"threads={a.threads} repeats={a.repeats} (median wall) | {note}")
     print_table([{"mode": m, **v} for m, v in res.items()],
                 ["mode", "wall_s", "spread", "speedup", "tokens", "tok_s", "tok_x", "decode_steps", "len_p50", "len_max",
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\naccept length per batch-size bucket:")
         print_table([{"mode": m, **{str(b): (v["accept_by_bucket"] or {}).get(b) for b in buckets}}
                      for m, v in res.items() if v["accept_by_bucket"]], ["mode", *map(str, buckets)])
-    print_json_line("rollout", {"model": model_dir, "prompts": a.prompts, "n": a.n, "max_tokens": a.max_tokens,
+    print_json_line("rollout", {"model": model_dir, "device": str(device), "dtype": a.dtype, "prompts": a.prompts, "n": a.n, "max_tokens": a.max_tokens,
                                 "threads": a.threads, "repeats": a.repeats, "drafter": drafter, "drafter_note": note,
                                 "modes": res})
     return 0

@@ -18,7 +18,7 @@ import torch
 import tlt
 from tlt.bench.common import (default_task_prompt_ids, interleaved_times, median_time, paired_speedup, print_json_line,
                               print_table)
-from tlt.device import resolve_dtype
+from tlt.device import resolve_device, resolve_dtype
 
 
 def strategies(drafter: str | None, depth: int) -> dict[str, dict | None]:
@@ -60,11 +60,11 @@ def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens,
     return rows, [(p, o.outputs[0].token_ids) for p, o in zip(batch, timed["plain"]["result"])]
 
 
-def run_hf_assisted(model_dir, prompt, max_tokens, repeats, dtype):
+def run_hf_assisted(model_dir, prompt, max_tokens, repeats, dtype, device):
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    assistant = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, num_hidden_layers=4).eval()
-    ids = torch.tensor([prompt])
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, num_hidden_layers=4).to(device).eval()
+    ids = torch.tensor([prompt], device=device)
     kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=True, temperature=1.0, top_k=0)
     out = {}
     with torch.inference_mode():
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
@@ -94,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     from tlt.models import load_model, load_tokenizer
     from tlt.models.smollm import default_model_path
     model_dir = a.model or str(default_model_path())
-    dtype = resolve_dtype(a.dtype)
-    model, tok = load_model(model_dir, dtype=dtype), load_tokenizer(model_dir)
+    device = resolve_device(a.device)
+    dtype = resolve_dtype(a.dtype, device)
+    model, tok = load_model(model_dir, dtype=dtype, device=str(device)), load_tokenizer(model_dir)
     drafter = None
     if not a.no_drafter:
         if a.drafter:
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 ["depth", "top1", "top2", "top4"])
     results["oracle_accept_bound"] = {f"depth{d}/top{k}": v for d, b in bound.items() for k, v in b.items()}
     if not a.skip_hf:
-        hf = run_hf_assisted(model_dir, prompts[0], a.max_tokens, a.repeats, dtype)
+        hf = run_hf_assisted(model_dir, prompts[0], a.max_tokens, a.repeats, dtype, device)
         print("\ntransformers at bs 1 (same prompt, temperature 1):")
         print_table([{"strategy": k, **v} for k, v in hf.items()], ["strategy", "tok_s", "spread"])
         results.update({f"bs1/{k}": v["tok_s"] for k, v in hf.items()})

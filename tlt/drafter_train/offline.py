@@ -168,7 +168,7 @@ def _train_drafter(cfg: OfflineConfig, model_dir: Path, command: str | None) -> 
     drafter = Drafter(target.cfg).to(next(target.parameters()).device).attach(target)
     if cfg.draft_vocab:
         drafter.d2t = build_draft_vocab(counts, cfg.draft_vocab).to(drafter.fc.weight.device)
-        covered = float(counts[drafter.d2t].sum() / counts.sum())
+        covered = float(counts[drafter.d2t.cpu()].sum() / counts.sum())
         print(f"draft vocabulary: {cfg.draft_vocab} of {counts.numel()} ids, covering {covered:.1%} of tokens seen")
     amp = {"auto": "auto", "none": None, "bfloat16": torch.bfloat16}[cfg.amp]
     trainer = DrafterTrainer(drafter, lr=cfg.lr, batch_tokens=cfg.batch_tokens, num_rows=cfg.num_rows,

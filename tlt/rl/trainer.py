@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from tlt.config import Config, ConfigError, format_config, load_config
+from tlt.device import resolve_device
 from tlt.engine.outputs import RequestOutput
 from tlt.rl.actor import Actor
 from tlt.rl.advantages import compute_advantages, groups_to_keep, keep_mask
@@ -90,11 +91,12 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed() -> DistInfo:
-    """Join the torchrun process group when WORLD_SIZE > 1 (gloo on CPU, NCCL on GPU); idempotent."""
+def init_distributed(device_type: str = "cpu") -> DistInfo:
+    """Join the torchrun process group when WORLD_SIZE > 1 (NCCL when the model runs on CUDA, else gloo);
+    idempotent."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     if not dist.is_initialized():
         return DistInfo()
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())))
@@ -110,11 +112,11 @@ def gather(obj: Any, info: DistInfo) -> list[Any]:
 
 class GRPOTrainer:
     def __init__(self, cfg: Config, drafter_hook: DrafterHook | None = None):
-        from tlt.device import resolve_device
         from tlt.llm import LLM
         from tlt.models.loader import load_model, load_tokenizer
 
-        self.cfg, self.dist = cfg, init_distributed()
+        device = resolve_device(cfg.model.device)
+        self.cfg, self.dist = cfg, init_distributed(device.type)
         prepare_config(cfg, self.dist)
         d, t = cfg.data, cfg.trainer
         if d.train_batch_size % self.dist.world_size:
@@ -122,7 +124,6 @@ class GRPOTrainer:
                               f"data-parallel ranks ({self.dist.world_size})")
         self.prompts_per_rank = d.train_batch_size // self.dist.world_size
         self.num_mini_batches = d.train_batch_size // (cfg.actor.ppo_mini_batch_size or d.train_batch_size)
-        device = resolve_device(cfg.model.device)
         self.device = torch.device("cuda", self.dist.local_rank) if device.type == "cuda" else device
         torch.manual_seed(t.seed)
         self.run_dir = Path(t.default_local_dir) / t.project_name / t.experiment_name
@@ -437,9 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     config_path = argv[0] if argv and "=" not in argv[0] else None
     overrides = argv[1:] if config_path else argv
     config_path = config_path or str(DEFAULT_CONFIG)  # no CONFIG: the out-of-the-box recipe
-    info = init_distributed()
     try:
         cfg = load_config(config_path, overrides)
+        info = init_distributed(resolve_device(cfg.model.device).type)
         prepare_config(cfg, info)
         if info.is_main:
             print(format_config(cfg), flush=True)
