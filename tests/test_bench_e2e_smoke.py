@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tlt.bench import e2e, rollout
@@ -37,3 +38,21 @@ def test_rollout_quick_all_modes(tmp_path, capsys):
     assert rollout.main(["--quick", "--model", model_dir, "--drafter", str(drafter)]) == 0
     result = last_json(capsys)
     assert result["benchmark"] == "rollout" and set(result["modes"]) == set(rollout.MODES)
+
+
+def test_compare_learning_checks_the_first_step_on_its_own():
+    """step1_* compares only the first step (same weights in every mode): equal laws there pass, a shifted length
+    law fails (negative control) even when the pooled steps hide it."""
+    from tlt.bench.e2e import compare_learning
+    rng = np.random.default_rng(0)
+
+    def rec(lengths):
+        return {"scores": [float(x % 2) for x in lengths], "lengths": list(lengths)}
+
+    same = rng.integers(10, 200, 400)
+    off = [rec(same), rec(rng.integers(10, 400, 400))]
+    sd = [rec(rng.permutation(same)), rec(rng.integers(10, 200, 400))]
+    assert compare_learning(off, sd)["step1_lengths_ks_p"] > 0.5
+    shifted = [rec(same + 40), off[1]]
+    res = compare_learning(off, shifted)
+    assert res["step1_lengths_ks_p"] < 1e-6 and res["step1_lengths_mwu_p"] < 1e-6
