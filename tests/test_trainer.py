@@ -213,6 +213,13 @@ def test_bad_config_key_fails_fast(capsys):
     assert "unknown config key 'totl_steps'" in err and "total_steps" in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_cpu_machine_is_a_config_error(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["configs/smoke.yaml", "model.device=cuda"]) == 2
+    assert "model.device" in capsys.readouterr().err
+
+
 def test_micro_batches_respect_token_budget_and_groups_split():
     assert micro_batches([10, 10, 30, 5], 40) == [[0, 1], [2], [3]]
     assert micro_batches([100], 10) == [[0]]  # one row always fits

@@ -440,7 +440,11 @@ def main(argv: list[str] | None = None) -> int:
     config_path = config_path or str(DEFAULT_CONFIG)  # no CONFIG: the out-of-the-box recipe
     try:
         cfg = load_config(config_path, overrides)
-        info = init_distributed(resolve_device(cfg.model.device).type)
+        try:
+            device = resolve_device(cfg.model.device)
+        except ValueError as e:
+            raise ConfigError(f"model.device: {e}") from None
+        info = init_distributed(device.type)
         prepare_config(cfg, info)
         if info.is_main:
             print(format_config(cfg), flush=True)
