@@ -40,7 +40,7 @@ def test_packed_bf16_linear_is_bit_identical_and_used():
 
 
 @needs_small_gemm
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 17, 128])
 def test_small_gemm_matches_float64(rows):
     """Row counts around the kernel's 4-row blocks, N not a multiple of its 16-column panels, bias or none."""
     g = torch.Generator().manual_seed(rows)

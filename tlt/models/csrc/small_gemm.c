@@ -1,12 +1,14 @@
 // y[M, N] = x[M, K] @ W^T (+ bias) in fp32 for a few rows M (decode, verification of a small batch): the regime
 // where MKL's sgemm reads the weight at a third of the memory bandwidth. W is pre-packed into panels of 16 output
 // columns, each panel contiguous over k ([N/16][K][16], zero-padded), so one pass streams the whole weight
-// sequentially while every weight vector loaded feeds up to 4 rows of FMAs.
+// sequentially while every weight vector loaded feeds up to 6 rows of FMAs (12 accumulators, 2 weight vectors and a
+// broadcast: 15 of AVX2's 16 registers), so a chain-4 verification (5 rows a sequence) costs one pass.
 // Built at run time by tlt/models/kernels.py with: cc -O3 -mavx2 -mfma -fopenmp -shared -fPIC.
 #include <immintrin.h>
 #include <string.h>
 
 #define PANEL 16
+#define ROWS 6  // rows per pass over a panel
 
 void tlt_pack(const float* w, int N, int K, float* out) {
     int panels = (N + PANEL - 1) / PANEL;
@@ -40,6 +42,8 @@ PANEL_ROWS(1)
 PANEL_ROWS(2)
 PANEL_ROWS(3)
 PANEL_ROWS(4)
+PANEL_ROWS(5)
+PANEL_ROWS(6)
 
 void tlt_small_gemm(const float* x, int M, int K, const float* packed, int N, const float* bias, float* y,
                     int threads) {
@@ -48,15 +52,17 @@ void tlt_small_gemm(const float* x, int M, int K, const float* packed, int N, co
     for (int j = 0; j < panels; j++) {
         const float* p = packed + (size_t)j * K * PANEL;
         int n0 = j * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
-        float acc[4 * PANEL];
-        for (int m = 0; m < M; m += 4) {  // the panel stays in L1/L2 for the next 4 rows
-            int R = M - m < 4 ? M - m : 4;
+        float acc[ROWS * PANEL];
+        for (int m = 0; m < M; m += ROWS) {  // the panel stays in L1/L2 for the next rows
+            int R = M - m < ROWS ? M - m : ROWS;
             const float* xr = x + (size_t)m * K;
             switch (R) {
                 case 1: panel_1(xr, K, p, acc); break;
                 case 2: panel_2(xr, K, p, acc); break;
                 case 3: panel_3(xr, K, p, acc); break;
-                default: panel_4(xr, K, p, acc); break;
+                case 4: panel_4(xr, K, p, acc); break;
+                case 5: panel_5(xr, K, p, acc); break;
+                default: panel_6(xr, K, p, acc); break;
             }
             for (int r = 0; r < R; r++) {
                 float* out = y + (size_t)(m + r) * N + n0;
