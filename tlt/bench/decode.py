@@ -4,6 +4,7 @@
     tlt bench decode --models rand-30m --batch-sizes 1,16 --dtype bfloat16 --max-tokens 128 --repeats 5
     tlt bench decode --quick                           # seconds: a tiny random model, for smoke tests
     tlt bench decode --models path/to/hf_dir           # any local Llama/Qwen2/Qwen3 HF directory
+    tlt bench decode --device cuda --dtype bfloat16    # on a GPU (default: cpu, the setting of the 2x goal)
 
 Both sides decode greedily the same random-token prompts (fixed length) for exactly max_tokens new tokens (ours:
 ignore_eos; transformers: min_new_tokens = max_new_tokens), in the same dtype and process, one thread pool.
@@ -12,8 +13,9 @@ ours then transformers back to back after one shorter warm run each; the median 
 a shared machine is noisy (the load average is printed). On CPU, bf16 can be much slower than fp32 for some
 matmul shapes (torch 2.13): run both dtypes before choosing one. `same` is the fraction of rows whose greedy
 tokens agree between the two. Random-token prompts give near-tied logits, so rows part after rounding differences:
-tlt's CPU matmuls run on oneDNN-prepacked weights (bit-identical to torch's bf16 matmul, not to its fp32 MKL one)
-and its decode attention is transformers' eager arithmetic, not SDPA's.
+tlt's CPU matmuls run on prepacked weights (oneDNN in bf16, bit-identical to torch's matmul; in fp32 oneDNN or
+tlt's small-row kernel, which sum in another order than MKL) and its decode attention is transformers' eager
+arithmetic, not SDPA's.
 """
 from __future__ import annotations
 

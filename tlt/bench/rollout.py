@@ -1,6 +1,7 @@
 """Rollout-only benchmark over the long tail: one RL rollout of the default task, SD off / always / adaptive / n-gram.
 
     tlt bench rollout [--prompts 8] [--n 4] [--max-tokens 256] [--repeats 1] [--threads 1] [--quick]
+                      [--device auto|cpu|cuda] [--dtype float32|bfloat16|auto]
 
 One rollout = `--prompts` default-task chat prompts, `--n` samples each (GRPO groups), temperature 1, stopping at
 EOS or --max-tokens: the batch starts full and shrinks as responses finish, so its tail runs at small batch.

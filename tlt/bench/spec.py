@@ -1,6 +1,7 @@
 """Speculative-decoding benchmark: SD vs our plain decoding per strategy and batch size, temperature 1.
 
     tlt bench spec [--drafter DIR] [--batch-sizes 1,2,4,8,16,32] [--max-tokens 128] [--repeats 3] [--quick]
+                   [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16]
 
 Strategies: each fixed arm (EAGLE chain, EAGLE tree, n-gram) and the adaptive policy (bandit over the arm table,
 SD gated by batch size). Prompts are the default task's chat prompts; every configuration samples with the same
