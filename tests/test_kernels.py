@@ -25,6 +25,11 @@ needs_small_gemm = pytest.mark.skipif(kernels.small_gemm_lib() is None,
                                       reason="no C compiler or no AVX2: the small-row fp32 kernel cannot be built")
 
 
+def _skip_unless_available(path: str, dtype: torch.dtype) -> None:
+    if (path == "onednn" and not _can_pack(dtype)) or (path == "small_gemm" and kernels.small_gemm_lib() is None):
+        pytest.skip(f"{path} is not available here")
+
+
 @needs_pack
 def test_packed_bf16_linear_is_bit_identical_and_used():
     g = torch.Generator().manual_seed(0)
@@ -42,7 +47,7 @@ def test_packed_bf16_linear_is_bit_identical_and_used():
 @needs_small_gemm
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 17, 128])
 def test_small_gemm_matches_float64(rows):
-    """Row counts around the kernel's 4-row blocks, N not a multiple of its 16-column panels, bias or none."""
+    """Row counts around the kernel's 6-row passes, N not a multiple of its 16-column panels, bias or none."""
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(100, 72, generator=g)
     b = torch.randn(100, generator=g)
@@ -78,8 +83,7 @@ def test_small_gemm_only_for_fp32_small_rows_without_autograd():
                                         ("small_gemm", torch.float32)])
 def test_packed_weight_follows_in_place_updates(path, dtype):
     """An optimizer step or load_state_dict changes weights in place: the next call must use the new values."""
-    if (path == "onednn" and not _can_pack(dtype)) or (path == "small_gemm" and kernels.small_gemm_lib() is None):
-        pytest.skip(f"{path} is not available here")
+    _skip_unless_available(path, dtype)
     g = torch.Generator().manual_seed(1)
     w = torch.nn.Parameter(torch.randn(32, 16, generator=g).to(dtype))
     x = torch.randn(4, 16, generator=g).to(dtype)
@@ -144,8 +148,7 @@ def _greedy(llm, prompts, n=12):
 def test_engine_same_with_each_matmul_path_across_weight_updates(tiny_llama_dir, path, dtype):
     """The RL loop's case: generate, update the weights in place, generate again; the fast path gives torch's
     tokens each time (bit-identical logprobs for bf16 oneDNN, within 1e-4 in fp32)."""
-    if (path == "onednn" and not _can_pack(getattr(torch, dtype))) or (path == "small_gemm" and kernels.small_gemm_lib() is None):
-        pytest.skip(f"{path} is not available here")
+    _skip_unless_available(path, getattr(torch, dtype))
     llm = tlt.LLM(model=tiny_llama_dir, dtype=dtype, device="cpu", skip_tokenizer_init=True)
     prompts = [[5, 9, 2, 7], [3, 1], [11, 12, 13, 14, 15, 16]]
     for step in range(2):

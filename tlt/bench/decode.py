@@ -99,8 +99,8 @@ def bench_model(name: str, model_dir: Path, dtype_name: str, args) -> list[dict]
     dtype = DTYPES[dtype_name]
     bss = [int(b) for b in args.batch_sizes.split(",")]
     device = resolve_device(args.device)
-    ours = tlt.LLM(model=model_dir, dtype=dtype_name, device=str(device), max_num_seqs=max(bss), skip_tokenizer_init=True,
-                   max_model_len=args.prompt_len + args.max_tokens + 1)
+    ours = tlt.LLM(model=model_dir, dtype=dtype_name, device=str(device), max_num_seqs=max(bss),
+                   skip_tokenizer_init=True, max_model_len=args.prompt_len + args.max_tokens + 1)
     hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     vocab = ours.model.cfg.vocab_size
     g = torch.Generator().manual_seed(args.seed)
@@ -159,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()
     device = resolve_device(args.device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"decode bench on {where}: torch {torch.__version__}, {torch.get_num_threads()} threads, load avg {load0[0]:.2f}; "
-          f"prompt {args.prompt_len} + {args.max_tokens} new tokens, greedy, median of {args.repeats}", flush=True)
+    print(f"decode bench on {where}: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"load avg {load0[0]:.2f}; prompt {args.prompt_len} + {args.max_tokens} new tokens, greedy, "
+          f"median of {args.repeats}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tlt-bench-") as scratch:
         for name in args.models.split(","):

@@ -368,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                   "d_reward/step": v.get("reward_diff"),
                   "95%CI": "[{:.3f}, {:.3f}]".format(*v["reward_diff_ci"]) if "reward_diff_ci" in v else None}
                  for m, v in res.items()]
-        print_table(lrows, ["mode", "reward", "resp_len", "step1_reward_p", "step1_len_ks_p", "reward_mwu_p", "reward_ks_p", "len_mwu_p", "len_ks_p",
-                            "d_reward/step", "95%CI"])
+        print_table(lrows, ["mode", "reward", "resp_len", "step1_reward_p", "step1_len_ks_p", "reward_mwu_p",
+                            "reward_ks_p", "len_mwu_p", "len_ks_p", "d_reward/step", "95%CI"])
     best = max((v.get("step_speedup") or 0.0 for v in res.values()), default=0.0)
     print(f"\ngoal: step time >= {STEP_SPEEDUP_GOAL}x faster than SD off; best median here {best:.2f}x "
           f"({'met' if best >= STEP_SPEEDUP_GOAL else 'not met'}); curves: {png}")

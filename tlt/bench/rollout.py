@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     for v in res.values():
         v["speedup"] = base / v["wall_s"] if base else None
         v["tok_x"] = v["tok_s"] / base_tok_s if base_tok_s else None
-    print(f"model={model_dir} device={device} dtype={a.dtype} prompts={a.prompts} n={a.n} max_tokens={a.max_tokens} temperature=1.0 "
-          f"threads={a.threads} repeats={a.repeats} (median wall) | {note}")
+    print(f"model={model_dir} device={device} dtype={a.dtype} prompts={a.prompts} n={a.n} "
+          f"max_tokens={a.max_tokens} temperature=1.0 threads={a.threads} repeats={a.repeats} (median wall) | {note}")
     print_table([{"mode": m, **v} for m, v in res.items()],
                 ["mode", "wall_s", "spread", "speedup", "tokens", "tok_s", "tok_x", "decode_steps", "len_p50", "len_max",
                  "accept_len", "sd_on", "bulk_s", "tail_s"])
@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\naccept length per batch-size bucket:")
         print_table([{"mode": m, **{str(b): (v["accept_by_bucket"] or {}).get(b) for b in buckets}}
                      for m, v in res.items() if v["accept_by_bucket"]], ["mode", *map(str, buckets)])
-    print_json_line("rollout", {"model": model_dir, "device": str(device), "dtype": a.dtype, "prompts": a.prompts, "n": a.n, "max_tokens": a.max_tokens,
+    print_json_line("rollout", {"model": model_dir, "device": str(device), "dtype": a.dtype, "prompts": a.prompts,
+                                "n": a.n, "max_tokens": a.max_tokens,
                                 "threads": a.threads, "repeats": a.repeats, "drafter": drafter, "drafter_note": note,
                                 "modes": res})
     return 0

@@ -91,6 +91,14 @@ class DistInfo:
         return self.rank == 0
 
 
+def config_device(cfg: Config) -> torch.device:
+    """model.device resolved on this machine; a ConfigError naming the key where it cannot run here."""
+    try:
+        return resolve_device(cfg.model.device)
+    except ValueError as e:
+        raise ConfigError(f"model.device: {e}") from None
+
+
 def init_distributed(device_type: str = "cpu") -> DistInfo:
     """Join the torchrun process group when WORLD_SIZE > 1 (NCCL when the model runs on CUDA, else gloo);
     idempotent."""
@@ -115,7 +123,7 @@ class GRPOTrainer:
         from tlt.llm import LLM
         from tlt.models.loader import load_model, load_tokenizer
 
-        device = resolve_device(cfg.model.device)
+        device = config_device(cfg)
         self.cfg, self.dist = cfg, init_distributed(device.type)
         prepare_config(cfg, self.dist)
         d, t = cfg.data, cfg.trainer
@@ -440,11 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     config_path = config_path or str(DEFAULT_CONFIG)  # no CONFIG: the out-of-the-box recipe
     try:
         cfg = load_config(config_path, overrides)
-        try:
-            device = resolve_device(cfg.model.device)
-        except ValueError as e:
-            raise ConfigError(f"model.device: {e}") from None
-        info = init_distributed(device.type)
+        info = init_distributed(config_device(cfg).type)
         prepare_config(cfg, info)
         if info.is_main:
             print(format_config(cfg), flush=True)
