@@ -95,6 +95,17 @@ def test_kv_budget_admission_never_overflows(tiny_llama_dir):
     assert llm.engine.kv.capacity <= 128
 
 
+def test_huge_max_tokens_stops_at_the_context_limit(tiny_llama_dir):
+    """max_tokens far past max_model_len ("until EOS", as vLLM users write it) reserves cache for the context
+    limit only, and the output ends there with finish_reason "length"."""
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=4, max_model_len=48)
+    outs = llm.generate(_prompts(4, seed=1), tlt.SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True))
+    for o in outs:
+        assert len(o.prompt_token_ids) + len(o.outputs[0].token_ids) == 48
+        assert o.outputs[0].finish_reason == "length"
+    assert llm.engine.kv.capacity <= 64
+
+
 def test_stop_tokens(tiny_llama_dir):
     llm = tlt.LLM(tiny_llama_dir, dtype="float32")
     out = llm.generate([[3, 4, 5]], tlt.SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]

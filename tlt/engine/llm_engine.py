@@ -67,7 +67,7 @@ class LLMEngine:
             seed = params.seed + i if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
             seq = Sequence(seq_id=next(self._ids), request_id=request_id, sample_index=i, group_id=group_id,
                            prompt_ids=list(prompt_ids), params=params,
-                           generator=torch.Generator().manual_seed(seed))
+                           generator=torch.Generator().manual_seed(seed), max_model_len=self.max_model_len)
             self.scheduler.add(seq)
             seqs.append(seq)
             if self.spec is not None:

@@ -31,6 +31,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length"
     slot: int = -1                    # KV-cache slot while running
     num_cached: int = 0               # tokens whose K/V are in the cache
+    max_model_len: int | None = None  # the engine's context limit: generation stops there whatever max_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -42,7 +43,9 @@ class Sequence:
 
     @property
     def max_total_len(self) -> int:
-        return len(self.prompt_ids) + self.params.max_tokens
+        """Worst-case length: what the scheduler reserves KV cache for (a huge max_tokens means "until EOS")."""
+        n = len(self.prompt_ids) + self.params.max_tokens
+        return n if self.max_model_len is None else min(n, self.max_model_len)
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
