@@ -1,4 +1,4 @@
-"""CPU inference fast paths (tlt/models/kernels.py): prepacked matmuls and small-query attention."""
+"""CPU inference fast paths (tlt/models/kernels.py): prepacked matmuls, small-query attention and its C kernel."""
 from __future__ import annotations
 
 import pytest
@@ -136,6 +136,40 @@ def test_small_query_attention_matches_sdpa(T):
     torch.testing.assert_close(small_query_attention(q, k2, v2, bias), ref, atol=1e-5, rtol=1e-5)
     open_bias = attention_bias(torch.ones(B, 1, T, C, dtype=torch.bool), C, q.dtype)
     assert not torch.allclose(small_query_attention(q, k2, v2, open_bias), ref, atol=1e-3)
+
+
+@needs_small_gemm
+@pytest.mark.parametrize("T,nh,nkv,D", [(1, 9, 3, 64), (5, 6, 2, 16), (16, 4, 4, 128), (3, 8, 1, 8)])
+def test_cached_attention_kernel_reads_each_rows_own_keys(T, nh, nkv, D):
+    """csrc/cached_attention.c = torch's small-query attention = SDPA, with per-row key counts, a speculative block
+    with a tree mask and a strided q (a view of the qkv output). Keys past n_keys[b] are NaN: the kernel must never
+    read them (torch's path, which reads the whole capacity, would return NaN)."""
+    g = torch.Generator().manual_seed(T * 100 + D)
+    B, C = 4, 48
+    qkv = torch.randn(B, T, nh + 2 * nkv, D, generator=g)
+    q = qkv[:, :, :nh]
+    k, v = torch.randn(B, nkv, C, D, generator=g), torch.randn(B, nkv, C, D, generator=g)
+    lens = torch.tensor([0, 7, 20, C - T - 3])  # committed keys; then a 3-token block and the T new tokens
+    n_keys = lens + 3 + T
+    pos = torch.arange(C)
+    visible = pos[None, None, :] < lens[:, None, None]
+    block = (pos[None, None, :] >= lens[:, None, None]) & (pos[None, None, :] < n_keys[:, None, None])
+    tree = torch.rand(B, T, C, generator=g) < 0.5
+    tree[torch.arange(B)[:, None], torch.arange(T)[None], (lens[:, None] + 3 + torch.arange(T)[None])] = True
+    mask = (visible | (block & tree))[:, None]  # [B, 1, T, C]; each query sees itself at least
+    bias = attention_bias(mask, C, q.dtype)
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+                                         enable_gqa=nkv != nh).transpose(1, 2)
+    for b in range(B):  # never read: poison
+        k[b, :, n_keys[b]:], v[b, :, n_keys[b]:] = float("nan"), float("nan")
+    with torch.inference_mode():
+        out = small_query_attention(q, k, v, bias, n_keys)
+        with kernels.backend("torch"):
+            torch_out = small_query_attention(q, k, v, bias, n_keys)
+        cut = small_query_attention(q, k, v, bias, n_keys - 1)  # negative control: one visible key dropped
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert out.is_contiguous() and torch_out.isnan().any()
+    assert not torch.allclose(cut, ref, atol=1e-3)
 
 
 def _greedy(llm, prompts, n=12):

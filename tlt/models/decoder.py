@@ -109,7 +109,7 @@ class Attention(nn.Module):
             vc[plan.rows, :, plan.cols] = v
             s0 = cache.slot_start
             if plan.bias is not None:  # decode and verification: the whole (contiguous) capacity, biased
-                out = small_query_attention(q, kc[s0:s0 + B], vc[s0:s0 + B], plan.bias)
+                out = small_query_attention(q, kc[s0:s0 + B], vc[s0:s0 + B], plan.bias, plan.n_keys)
             else:
                 L = plan.length
                 out = F.scaled_dot_product_attention(q.transpose(1, 2), kc[s0:s0 + B, :, :L], vc[s0:s0 + B, :, :L],
@@ -152,6 +152,7 @@ class CachePlan:
     cols: torch.Tensor             # [B, T] cache positions of the new tokens
     length: int                    # keys to attend over: max cached + S + T
     bias: torch.Tensor | None      # [B, 1, 1, T, capacity] 0 / -inf, when T <= SMALL_QUERY; else None (SDPA + mask)
+    n_keys: torch.Tensor           # [B] keys row b attends over at most: cached + S + T
 
 
 def cache_mask(cache: CacheView, T: int, device) -> tuple[torch.Tensor, CachePlan]:
@@ -176,7 +177,7 @@ def cache_mask(cache: CacheView, T: int, device) -> tuple[torch.Tensor, CachePla
     mask.scatter_(2, tree_cols[:, None, :].expand(B, T, S + T), tree.expand(B, T, S + T))
     mask = mask[:, None]
     bias = attention_bias(mask, cache.k[0].shape[2], cache.k[0].dtype) if T <= SMALL_QUERY else None
-    return mask, CachePlan(rows, cols, L, bias)
+    return mask, CachePlan(rows, cols, L, bias, lens + S + T)
 
 
 class Decoder(nn.Module):

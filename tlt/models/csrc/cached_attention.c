@@ -1,0 +1,121 @@
+// Attention of a few new tokens per row against a slot KV cache, in fp32 (decode and speculative verification).
+// out[b, t, h] = softmax_j(q[b, t, h] . k[b, h/g, j] * scale + bias[b, t, j]) @ v[b, h/g, j], over j < n_keys[b].
+// torch's batched matmul has to run over the cache's whole capacity (a slice would cost it a copy), so every step
+// of a rollout reads keys up to prompt + max_tokens; this reads each row's own keys only, and its exp is AVX2.
+// bias is 0 / -inf ([B, T, cap], the tree mask of this step's speculative block); keys at or past n_keys[b] are
+// never read. Query rows may be strided views (the output of the qkv projection); the last dim is contiguous.
+// Built with small_gemm.c into one library by tlt/models/kernels.py (cc -O3 -mavx2 -mfma -fopenmp).
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// exp(x) for 8 lanes: Cephes' range reduction and degree-5 polynomial (about 1 ulp); -inf and x < -87.3 give 0.
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3365447f), hi = _mm256_set1_ps(88.3762626f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+// One (row b, KV head) pair: its g * T query rows, one at a time (their keys stay in L1/L2 between rows).
+static void one_head(const float* q, int64_t q_st, int64_t q_sh, const float* k, const float* v, int n,
+                     const float* bias, int64_t bias_st, float* out, int64_t out_st, int T, int g, int h0, int D,
+                     float scale, float* s) {
+    const int nv = D / 8;
+    for (int t = 0; t < T; t++) {
+        const float* bt = bias + t * bias_st;
+        for (int hi = 0; hi < g; hi++) {
+            const float* qr = q + t * q_st + (int64_t)(h0 + hi) * q_sh;
+            __m256 qv[32];  // D <= 256
+            for (int c = 0; c < nv; c++) qv[c] = _mm256_loadu_ps(qr + 8 * c);
+            float m = -INFINITY;
+            int j = 0;
+            for (; j + 4 <= n; j += 4) {  // four keys at once: independent FMA chains, one joint reduction
+                const float* kj = k + (int64_t)j * D;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int c = 0; c < nv; c++) {
+                    a0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), a0);
+                    a1 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + D + 8 * c), a1);
+                    a2 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 2 * D + 8 * c), a2);
+                    a3 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 3 * D + 8 * c), a3);
+                }
+                __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+                __m128 dots = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+                __m128 x = _mm_add_ps(_mm_mul_ps(dots, _mm_set1_ps(scale)), _mm_loadu_ps(bt + j));
+                _mm_storeu_ps(s + j, x);
+                for (int i = 0; i < 4; i++) m = s[j + i] > m ? s[j + i] : m;
+            }
+            for (; j < n; j++) {
+                const float* kj = k + (int64_t)j * D;
+                __m256 a = _mm256_setzero_ps();
+                for (int c = 0; c < nv; c++) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), a);
+                float x = hsum(a) * scale + bt[j];
+                s[j] = x;
+                m = x > m ? x : m;
+            }
+            __m256 mv = _mm256_set1_ps(m), sum8 = _mm256_setzero_ps();
+            for (j = 0; j + 8 <= n; j += 8) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+                _mm256_storeu_ps(s + j, e);
+                sum8 = _mm256_add_ps(sum8, e);
+            }
+            float sum = hsum(sum8);
+            if (j < n) {  // the tail through a padded vector
+                float tmp[8];
+                for (int i = 0; i < 8; i++) tmp[i] = j + i < n ? s[j + i] - m : -INFINITY;
+                _mm256_storeu_ps(tmp, exp8(_mm256_loadu_ps(tmp)));
+                for (int i = 0; j + i < n; i++) { s[j + i] = tmp[i]; sum += tmp[i]; }
+            }
+            __m256 acc[32];
+            for (int c = 0; c < nv; c++) acc[c] = _mm256_setzero_ps();
+            for (j = 0; j < n; j++) {
+                if (s[j] == 0.0f) continue;  // masked (or negligible) keys add nothing
+                __m256 p = _mm256_set1_ps(s[j]);
+                const float* vj = v + (int64_t)j * D;
+                for (int c = 0; c < nv; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+            }
+            __m256 inv = _mm256_set1_ps(1.0f / sum);
+            float* o = out + t * out_st + (int64_t)(h0 + hi) * D;
+            for (int c = 0; c < nv; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], inv));
+        }
+    }
+}
+
+// q: [B, T, nh, D] with strides (q_sb, q_st, q_sh, 1); k, v: [B, nkv, cap, D] contiguous; n_keys: [B];
+// bias: [B, T, cap] contiguous; out: [B, T, nh, D] contiguous. D must be a multiple of 8, at most 256.
+void tlt_cached_attention(const float* q, int64_t q_sb, int64_t q_st, int64_t q_sh, const float* k, const float* v,
+                          int cap, const int64_t* n_keys, const float* bias, float* out, int B, int T, int nh,
+                          int nkv, int D, float scale, int threads) {
+    int g = nh / nkv;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float* s = malloc(sizeof(float) * (size_t)(cap > 0 ? cap : 1));
+#pragma omp for schedule(dynamic)
+        for (int task = 0; task < B * nkv; task++) {
+            int b = task / nkv, kh = task % nkv;
+            int64_t kv_off = ((int64_t)b * nkv + kh) * cap * D;
+            int n = (int)(n_keys[b] < cap ? n_keys[b] : cap);
+            one_head(q + b * q_sb, q_st, q_sh, k + kv_off, v + kv_off, n, bias + (int64_t)b * T * cap, cap,
+                     out + (int64_t)b * T * nh * D, (int64_t)nh * D, T, g, kh * g, D, scale, s);
+        }
+        free(s);
+    }
+}
