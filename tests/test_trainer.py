@@ -221,10 +221,57 @@ def test_cuda_on_a_cpu_machine_is_a_config_error(capsys, monkeypatch):
 
 
 def test_micro_batches_respect_token_budget_and_groups_split():
-    assert micro_batches([10, 10, 30, 5], 40) == [[0, 1], [2], [3]]
+    assert micro_batches([10, 10, 30, 5], 40) == [[2], [0, 1, 3]]  # longest first
     assert micro_batches([100], 10) == [[0]]  # one row always fits
+    # a long tail: arrival order pads the short rows next to the long ones (1240 tokens); sorted: 680
+    assert micro_batches([300, 20, 20, 300, 20, 20], 800) == [[0, 3], [1, 2, 4, 5]]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        lens = (torch.randint(1, 40, (30,), generator=g) ** 2).tolist()
+        chunks = micro_batches(lens, 2000)
+        assert sorted(i for c in chunks for i in c) == list(range(30))
+        assert all(len(c) * max(lens[i] for i in c) <= 2000 or len(c) == 1 for c in chunks)
+        padded = sum(len(c) * max(lens[i] for i in c) for c in chunks)
+        arrival, cur = 0, []  # the greedy split in arrival order, for comparison
+        for n in lens + [None]:
+            if cur and (n is None or (len(cur) + 1) * max(cur + [n]) > 2000):
+                arrival, cur = arrival + len(cur) * max(cur), []
+            if n is not None:
+                cur.append(n)
+        assert padded <= arrival
     assert split_groups([7, 7, 8, 8, 9, 9], 3) == [[0, 1], [2, 3], [4, 5]]
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25) and pass_at_k(4, 1, 4) == 1.0 and pass_at_k(4, 0, 2) == 0.0
+
+
+def test_actor_same_result_whatever_the_micro_batch_split(tiny_dir):
+    """Sorted, padded micro-batches (many, under a small token budget) give the log-probs of one whole-batch
+    forward, row for row, and the same accumulated gradient."""
+    from tlt.config import ActorConfig
+    from tlt.models import load_model
+    from tlt.rl.actor import Actor
+    from tlt.rl.rollout import ActorBatch
+    g = torch.Generator().manual_seed(1)
+    N, P = 6, 5
+    resp = torch.tensor([3, 17, 2, 9, 17, 1])
+    T, R = P + int(resp.max()), int(resp.max())
+    ids = torch.randint(1, 100, (N, T), generator=g)
+    mask = (torch.arange(R)[None] < resp[:, None]).float()
+    batch = ActorBatch(ids, torch.full((N,), P), resp, mask, -torch.rand(N, R, generator=g),
+                       torch.randn(N, 1, generator=g) * mask, torch.arange(N) // 2, 1.0)
+    assert micro_batches((P + resp).tolist(), 30) == [[1], [4], [3], [0, 2, 5]]  # reordered: the test bites
+    results = []
+    for budget in (10**6, 30):
+        model = load_model(tiny_dir, dtype=torch.float32, device="cpu")
+        actor = Actor(model, ActorConfig(lr=0.0, ppo_max_token_len=budget), total_steps=1)
+        lp = actor.compute_log_probs(batch)
+        actor.update(batch, num_mini_batches=1)  # lr 0: the gradients stay in .grad, the weights unchanged
+        results.append((lp, {k: p.grad.clone() for k, p in model.named_parameters()}))
+    (lp_one, g_one), (lp_many, g_many) = results
+    torch.testing.assert_close(lp_many, lp_one, atol=1e-5, rtol=0)
+    assert (lp_one[mask == 0] == 0).all() and not torch.equal(lp_one[1:], lp_one[:-1])
+    assert any(g.abs().sum() > 0 for g in g_one.values())
+    for k in g_one:
+        torch.testing.assert_close(g_many[k], g_one[k], atol=1e-6, rtol=1e-4, msg=k)
 
 
 # ---------------------------------------------------------------- data parallel

@@ -22,21 +22,34 @@ from tlt.models.decoder import Decoder
 from tlt.rl.losses import compute_actor_loss, entropy_from_log_probs
 from tlt.rl.rollout import ActorBatch
 
+CHUNK_COST = 8  # tokens: what one more micro-batch forward costs beyond its tokens (see micro_batches)
+
 
 def micro_batches(seq_lens: list[int], max_token_len: int) -> list[list[int]]:
-    """Consecutive row chunks whose padded size len(chunk) * max(seq_lens[chunk]) <= max_token_len (>= 1 row)."""
-    chunks: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i, n in enumerate(seq_lens):
-        if current and (len(current) + 1) * max(longest, n) > max_token_len:
-            chunks.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, n)
-    if current:
-        chunks.append(current)
-    return chunks
+    """Row chunks whose padded size len(chunk) * max(seq_lens[chunk]) <= max_token_len (>= 1 row each), with the
+    least padding: rows sorted longest first, then split into consecutive runs by dynamic programming.
+
+    Rows are right padded to the longest in their micro-batch, so a long-tail batch (most responses short, a few at
+    the cap) cut in arrival order pads most rows to the cap. The gradient is the same whatever the split (losses
+    are normalised by whole-mini-batch counts), so choosing it is free. Each chunk also costs CHUNK_COST tokens
+    (per-forward overhead), which breaks ties towards fewer, fuller micro-batches.
+    """
+    order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])  # stable: equal lengths keep their order
+    lens = [seq_lens[i] for i in order]
+    n = len(lens)
+    best = [0.0] + [math.inf] * n  # best[j]: least cost of the first j sorted rows
+    cut = [0] * (n + 1)
+    for i in range(n):  # a chunk starting at i is padded to lens[i], its longest
+        room = max(1, max_token_len // max(lens[i], 1))
+        for j in range(i + 1, min(n, i + room) + 1):
+            cost = best[i] + (j - i) * lens[i] + CHUNK_COST
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    chunks, j = [], n
+    while j > 0:
+        chunks.append(order[cut[j]:j])
+        j = cut[j]
+    return chunks[::-1]
 
 
 def split_groups(group_ids: list[int], num_chunks: int) -> list[list[int]]:
@@ -79,10 +92,6 @@ def response_log_probs(model: Decoder, batch: ActorBatch, with_entropy: bool = F
     return log_probs * valid, None if entropy is None else entropy * valid
 
 
-def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
-
-
 class Actor:
     """Owns the optimiser and LR schedule of `model` (the very Decoder the rollout engine reads)."""
 
@@ -113,21 +122,23 @@ class Actor:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
-    def _micro(self, batch: ActorBatch, rows: list[int]) -> Iterator[ActorBatch]:
+    def _micro(self, batch: ActorBatch, rows: list[int]) -> Iterator[tuple[list[int], ActorBatch]]:
+        """(row indices into `rows`, micro-batch) pairs covering `rows` (see `micro_batches`)."""
         sub = batch.rows(rows)
         seq_lens = (sub.prompt_lens + sub.response_lens).tolist()
         for chunk in micro_batches(seq_lens, self.cfg.ppo_max_token_len):
-            yield sub.rows(chunk)
+            yield chunk, sub.rows(chunk)
 
     @torch.no_grad()
     def compute_log_probs(self, batch: ActorBatch, model: Decoder | None = None) -> torch.Tensor:
         """[N, R] log-probs of the batch's responses under `model` (default: the policy), micro-batched."""
         model = model or self.model
-        out = []
+        out = batch.old_log_probs.new_zeros(batch.old_log_probs.shape)
         with self.autocast():
-            for mb in self._micro(batch, list(range(len(batch)))):
-                out.append(_pad_to(response_log_probs(model, mb)[0].float(), batch.response_mask.shape[1]))
-        return torch.cat(out) if out else batch.old_log_probs.new_zeros(batch.old_log_probs.shape)
+            for chunk, mb in self._micro(batch, list(range(len(batch)))):
+                lp = response_log_probs(model, mb)[0].float()
+                out[chunk, :lp.shape[1]] = lp
+        return out
 
     def update(self, batch: ActorBatch, num_mini_batches: int) -> dict[str, float]:
         """actor.ppo_epochs passes x num_mini_batches optimiser steps; the LR schedule steps once per call."""
@@ -157,7 +168,7 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=False)
         sums: dict[str, float] = defaultdict(float)
         num_micro = 0
-        for mb in self._micro(batch, rows) if rows else []:
+        for _, mb in self._micro(batch, rows) if rows else []:
             with self.autocast():
                 log_probs, entropy = response_log_probs(self.model, mb, with_entropy=True,
                                                         entropy_grad=bool(self.cfg.entropy_coeff))
