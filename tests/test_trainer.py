@@ -243,35 +243,79 @@ def test_micro_batches_respect_token_budget_and_groups_split():
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25) and pass_at_k(4, 1, 4) == 1.0 and pass_at_k(4, 0, 2) == 0.0
 
 
-def test_actor_same_result_whatever_the_micro_batch_split(tiny_dir):
-    """Sorted, padded micro-batches (many, under a small token budget) give the log-probs of one whole-batch
-    forward, row for row, and the same accumulated gradient."""
+def _actor_batch(prompt_shared: bool):
+    from tlt.rl.rollout import ActorBatch
+    g = torch.Generator().manual_seed(1)
+    N = 6
+    plens = torch.tensor([5, 5, 7, 7, 4, 4])
+    resp = torch.tensor([3, 17, 2, 9, 17, 1])
+    T, R = int((plens + resp).max()), int(resp.max())
+    ids = torch.randint(1, 100, (N, T), generator=g)
+    if prompt_shared:  # the two responses of each group answer one prompt
+        for a in range(0, N, 2):
+            ids[a + 1, :plens[a]] = ids[a, :plens[a]]
+    for i in range(N):
+        ids[i, plens[i] + resp[i]:] = 0
+    mask = (torch.arange(R)[None] < resp[:, None]).float()
+    return ActorBatch(ids, plens, resp, mask, -torch.rand(N, R, generator=g), torch.randn(N, 1, generator=g) * mask,
+                      torch.arange(N) // 2, 1.0)
+
+
+def _log_probs_and_grads(tiny_dir, batch, **cfg):
     from tlt.config import ActorConfig
     from tlt.models import load_model
     from tlt.rl.actor import Actor
-    from tlt.rl.rollout import ActorBatch
-    g = torch.Generator().manual_seed(1)
-    N, P = 6, 5
-    resp = torch.tensor([3, 17, 2, 9, 17, 1])
-    T, R = P + int(resp.max()), int(resp.max())
-    ids = torch.randint(1, 100, (N, T), generator=g)
-    mask = (torch.arange(R)[None] < resp[:, None]).float()
-    batch = ActorBatch(ids, torch.full((N,), P), resp, mask, -torch.rand(N, R, generator=g),
-                       torch.randn(N, 1, generator=g) * mask, torch.arange(N) // 2, 1.0)
-    assert micro_batches((P + resp).tolist(), 30) == [[1], [4], [3], [0, 2, 5]]  # reordered: the test bites
-    results = []
-    for budget in (10**6, 30):
-        model = load_model(tiny_dir, dtype=torch.float32, device="cpu")
-        actor = Actor(model, ActorConfig(lr=0.0, ppo_max_token_len=budget), total_steps=1)
-        lp = actor.compute_log_probs(batch)
-        actor.update(batch, num_mini_batches=1)  # lr 0: the gradients stay in .grad, the weights unchanged
-        results.append((lp, {k: p.grad.clone() for k, p in model.named_parameters()}))
-    (lp_one, g_one), (lp_many, g_many) = results
-    torch.testing.assert_close(lp_many, lp_one, atol=1e-5, rtol=0)
-    assert (lp_one[mask == 0] == 0).all() and not torch.equal(lp_one[1:], lp_one[:-1])
-    assert any(g.abs().sum() > 0 for g in g_one.values())
-    for k in g_one:
-        torch.testing.assert_close(g_many[k], g_one[k], atol=1e-6, rtol=1e-4, msg=k)
+    model = load_model(tiny_dir, dtype=torch.float32, device="cpu")
+    actor = Actor(model, ActorConfig(lr=0.0, **cfg), total_steps=1)
+    lp = actor.compute_log_probs(batch)
+    actor.update(batch, num_mini_batches=1)  # lr 0: the gradients stay in .grad, the weights unchanged
+    return lp, {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def _assert_same(a, b):
+    (lp_a, g_a), (lp_b, g_b) = a, b
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=0)
+    assert any(g.abs().sum() > 0 for g in g_a.values())
+    for k in g_a:
+        torch.testing.assert_close(g_b[k], g_a[k], atol=1e-6, rtol=1e-4, msg=k)
+
+
+def test_actor_same_result_whatever_the_micro_batch_split(tiny_dir):
+    """Sorted, padded micro-batches (many, under a small token budget) give the log-probs of one whole-batch
+    forward, row for row, and the same accumulated gradient."""
+    batch = _actor_batch(prompt_shared=False)
+    assert micro_batches((batch.prompt_lens + batch.response_lens).tolist(), 30) == [[1], [4], [3], [2, 0, 5]]
+    one = _log_probs_and_grads(tiny_dir, batch, ppo_max_token_len=10**6)
+    _assert_same(one, _log_probs_and_grads(tiny_dir, batch, ppo_max_token_len=30))
+    lp = one[0]
+    assert (lp[batch.response_mask == 0] == 0).all() and not torch.equal(lp[1:], lp[:-1])
+
+
+def test_shared_prompt_packing_is_exact(tiny_dir):
+    """Responses packed behind their group's one prompt (block mask, their own positions) give the log-probs and
+    gradient of one row per response, under any token budget; a mask that lets a response see its pack-mates
+    (the negative control) does not."""
+    from tlt.rl.actor import pack_layout, response_log_probs, share_prompts
+    from tlt.models import load_model
+    batch = _actor_batch(prompt_shared=True)
+    packs = share_prompts(batch)
+    assert sorted(map(sorted, packs)) == [[0, 1], [2, 3], [4, 5]]  # every group shares its prompt
+    assert sorted(map(sorted, share_prompts(_actor_batch(prompt_shared=False)))) == [[i] for i in range(6)]
+    alone = _log_probs_and_grads(tiny_dir, batch, share_prompt=False, ppo_max_token_len=10**6)
+    _assert_same(alone, _log_probs_and_grads(tiny_dir, batch, share_prompt=True, ppo_max_token_len=10**6))
+    _assert_same(alone, _log_probs_and_grads(tiny_dir, batch, share_prompt=True, ppo_max_token_len=25))
+    model = load_model(tiny_dir, dtype=torch.float32, device="cpu")
+    rows = [r for pk in packs for r in pk]
+    sub = batch.rows(rows)
+    local = [[rows.index(r) for r in pk] for pk in packs]
+    layout = pack_layout(sub, local)
+    assert layout.attn_mask is not None and layout.input_ids.shape[0] == 3
+    with torch.no_grad():
+        good = response_log_probs(model, sub, layout=layout)[0]
+        layout.attn_mask = torch.ones_like(layout.attn_mask).tril()  # pack-mates visible: wrong
+        leaky = response_log_probs(model, sub, layout=layout)[0]
+    torch.testing.assert_close(good, alone[0][rows], atol=1e-5, rtol=0)
+    assert not torch.allclose(leaky, good, atol=1e-3)
 
 
 # ---------------------------------------------------------------- data parallel

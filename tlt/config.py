@@ -84,7 +84,10 @@ class ActorConfig:
     grad_clip: float = _f(1.0, "max global grad norm", gt=0)
     ppo_epochs: int = _f(1, "passes over each step's rollouts", ge=1)
     ppo_mini_batch_size: int | None = _f(None, "prompts per optimiser step; null = train_batch_size", ge=1)
-    ppo_max_token_len: int = _f(4096, "token budget of one micro-batch (gradient accumulation)", ge=1)
+    ppo_max_token_len: int = _f(4096, "token budget of one micro-batch (gradient accumulation); rows are sorted by "
+                                          "length and split with the least padding", ge=1)
+    share_prompt: bool = _f(True, "update: forward a group's prompt once for several of its responses (packed rows, "
+                                  "block mask; exact)")
     bf16_autocast: bool = _f(True, "bf16 autocast for the policy forward on GPU")
 
 
