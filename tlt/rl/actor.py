@@ -158,28 +158,30 @@ def response_log_probs(model: Decoder, batch: ActorBatch, with_entropy: bool = F
     """log softmax(logits / T) of each response token -> ([n, R], entropy [n, R] or None).
 
     The logit at position t predicts token t + 1, so response token j (at position p + j) is scored by the hidden
-    state at p + j - 1 (`layout.src`; default layout: one response a row). Only those R hidden states go through
-    the LM head ([n, R, V], not [n, T, V]). Memory: [n, R, V] fp32 tensors dominate the update, so one
-    log-softmax serves both outputs, the temperature is divided in place, and with entropy_grad=False (entropy
-    only as a metric) the entropy keeps no graph.
+    state at p + j - 1 (`layout.src`; default layout: one response a row). Only the states of real response
+    tokens go through the LM head ([M, V] for M response tokens, no padding). Memory: [M, V] fp32 tensors dominate
+    the update, so one log-softmax serves both outputs, the temperature is divided in place, and with
+    entropy_grad=False (entropy only as a metric) the entropy keeps no graph.
     """
     n, r = batch.response_mask.shape
     layout = layout or pack_layout(batch, [[i] for i in range(n)])
     hidden = model(layout.input_ids, layout.positions, attn_mask=layout.attn_mask)  # [B, T, H]
-    h = hidden.reshape(-1, hidden.shape[-1])[layout.src]  # [n, R, H]
+    valid = torch.arange(r, device=hidden.device)[None] < batch.response_lens[:, None]  # [n, R]
+    h = hidden.reshape(-1, hidden.shape[-1])[layout.src[valid]]  # [M, H]: real response tokens only
     t = batch.temperature if batch.temperature > 0 else 1.0
-    logits = model.logits(h)  # [n, R, V] fp32, a fresh tensor: safe to scale in place
+    logits = model.logits(h)  # [M, V] fp32, a fresh tensor: safe to scale in place
     if t != 1.0:
         logits.div_(t)
     logp = logits.log_softmax(-1)
     del logits
-    log_probs = logp.gather(-1, layout.tgt[..., None])[..., 0]
+    log_probs = logp.new_zeros(n, r)
+    log_probs[valid] = logp.gather(-1, layout.tgt[valid][:, None])[:, 0]
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_log_probs(logp)
-    valid = torch.arange(r, device=h.device)[None] < batch.response_lens[:, None]
-    return log_probs * valid, None if entropy is None else entropy * valid
+            entropy = logp.new_zeros(n, r)
+            entropy[valid] = entropy_from_log_probs(logp)
+    return log_probs, entropy
 
 
 class Actor:
