@@ -1,10 +1,12 @@
 """The actor: log-probs and entropy of (prompt + response) rows through the Decoder, and the policy update.
 
-Rows are right padded (see `ActorBatch`). They are cut into micro-batches whose padded size (rows x longest row)
-stays within `actor.ppo_max_token_len`; gradients accumulate over the micro-batches of a mini-batch, and each
+Forward layout (`Layout`): with actor.share_prompt, a group's responses are packed behind one copy of their prompt
+(`share_prompts`, `pack_layout`); otherwise one right-padded row per response (see `ActorBatch`). Rows or packs
+are cut into micro-batches whose padded size (rows x longest row) stays within `actor.ppo_max_token_len`, with the
+least padding (`micro_batches`); gradients accumulate over the micro-batches of a mini-batch, and each
 micro-batch loss is normalised by the token (or sequence) count of the WHOLE mini-batch summed over all
 data-parallel ranks, so the accumulated, all-reduced (summed) gradient equals the full-batch gradient whatever
-the micro-batch split or the number of ranks.
+the layout, the micro-batch split or the number of ranks.
 """
 from __future__ import annotations
 
