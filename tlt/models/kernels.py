@@ -83,7 +83,7 @@ def small_gemm_lib():
             tag = hashlib.sha256(b"".join(f.read_bytes() for f in _SRCS) + " ".join(_CFLAGS).encode()).hexdigest()[:12]
 
             def build(tmp: Path) -> None:
-                subprocess.run([cc, *_CFLAGS, *map(str, _SRCS), "-o", str(tmp / "small_gemm.so"), "-lm"], check=True,
+                subprocess.run([cc, *_CFLAGS, *map(str, _SRCS), "-o", str(tmp / "small_gemm.so")], check=True,
                                capture_output=True, text=True)
             out = build_atomically(cache_root() / "kernels" / f"small_gemm-{tag}", build,
                                    lambda d: (d / "small_gemm.so").exists())
@@ -189,10 +189,9 @@ def small_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bia
 
     Query head h reads KV head h // (nh / nkv), as in transformers' repeat_kv; the arithmetic is transformers' eager
     attention (scores scaled and masked in the model dtype, softmax in fp32). Every query must see at least one key.
-    n_keys [B] (optional): row b's keys from n_keys[b] on are all masked. On CPU in fp32 it lets tlt's kernel
-    (csrc/cached_attention.c) read each row's own keys only; torch's batched matmul runs over the whole capacity:
-    pass k/v contiguous (the cache's whole capacity C rather than a slice [:L]), or it copies them (5x slower at
-    B = 64).
+    n_keys [B] (optional) says that row b's keys from n_keys[b] on are all masked: in fp32 on CPU, tlt's kernel
+    (csrc/cached_attention.c) then reads each row's own keys only. The torch path runs two batched matmuls over the
+    whole capacity C: pass k/v contiguous (not a slice [:L], which would cost a copy, 5x slower at B = 64).
     """
     if n_keys is not None and _attention_kernel_ok(q, k, v):
         return _cached_attention(q, k, v, bias, n_keys)

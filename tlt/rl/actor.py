@@ -111,25 +111,26 @@ def share_prompts(batch: ActorBatch) -> list[list[int]]:
     return packs
 
 
-def pack_layout(batch: ActorBatch, packs: list[list[int]]) -> Layout:
-    """The forward layout of `batch` (one micro-batch) with its rows in `packs` (see Layout); rows of `batch` must
-    be ordered pack by pack."""
+def pack_layout(batch: ActorBatch, sizes: list[int]) -> Layout:
+    """The forward layout of `batch` (one micro-batch) whose rows form consecutive packs of `sizes` rows, each
+    sharing the prompt of its first row (see Layout)."""
     n, R = batch.response_mask.shape
     dev = batch.input_ids.device
     offsets = torch.arange(R, device=dev)
     tgt = batch.input_ids.gather(1, (batch.prompt_lens[:, None] + offsets).clamp(max=batch.input_ids.shape[1] - 1))
-    if all(len(pk) == 1 for pk in packs):  # one response a row: plain causal rows
+    if all(size == 1 for size in sizes):  # one response a row: plain causal rows
         src = (batch.prompt_lens[:, None] - 1 + offsets).clamp(max=batch.input_ids.shape[1] - 1)
         src = src + torch.arange(n, device=dev)[:, None] * batch.input_ids.shape[1]
         return Layout(batch.input_ids, None, None, src, tgt)
     plens, rlens = batch.prompt_lens.tolist(), batch.response_lens.tolist()
+    starts = [sum(sizes[:b]) for b in range(len(sizes))]
+    packs = [range(start, start + size) for start, size in zip(starts, sizes)]
     T = max(plens[pk[0]] + sum(rlens[r] for r in pk) for pk in packs)
     B = len(packs)
     ids = torch.zeros(B, T, dtype=torch.long, device=dev)
     pos = torch.zeros(B, T, dtype=torch.long, device=dev)
     seg = torch.full((B, T), -2, dtype=torch.long, device=dev)  # -1 prompt, k response k, -2 padding
     src = torch.zeros(n, R, dtype=torch.long, device=dev)
-    row = 0
     for b, pk in enumerate(packs):
         p = plens[pk[0]]
         ids[b, :p] = batch.input_ids[pk[0], :p]
@@ -137,7 +138,6 @@ def pack_layout(batch: ActorBatch, packs: list[list[int]]) -> Layout:
         seg[b, :p] = -1
         col = p
         for k, r in enumerate(pk):
-            assert r == row, "rows must be ordered pack by pack"
             L = rlens[r]
             ids[b, col:col + L] = batch.input_ids[r, p:p + L]
             pos[b, col:col + L] = torch.arange(p, p + L, device=dev)
@@ -145,9 +145,8 @@ def pack_layout(batch: ActorBatch, packs: list[list[int]]) -> Layout:
             # token j is predicted by the state before it: the prompt's last for j = 0, else the response's own
             s = torch.full((R,), p - 1, dtype=torch.long, device=dev)
             s[1:L] = torch.arange(col, col + L - 1, device=dev)
-            src[row] = b * T + s
+            src[r] = b * T + s
             col += L
-            row += 1
     q, k = seg[:, :, None], seg[:, None, :]
     causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None]
     mask = causal & ((k == -1) | (q == k)) & (q != -2)
@@ -166,7 +165,7 @@ def response_log_probs(model: Decoder, batch: ActorBatch, with_entropy: bool = F
     entropy_grad=False (entropy only as a metric) the entropy keeps no graph.
     """
     n, r = batch.response_mask.shape
-    layout = layout or pack_layout(batch, [[i] for i in range(n)])
+    layout = layout or pack_layout(batch, [1] * n)
     hidden = model(layout.input_ids, layout.positions, attn_mask=layout.attn_mask)  # [B, T, H]
     valid = torch.arange(r, device=hidden.device)[None] < batch.response_lens[:, None]  # [n, R]
     h = hidden.reshape(-1, hidden.shape[-1])[layout.src[valid]]  # [M, H]: real response tokens only
@@ -225,12 +224,8 @@ class Actor:
         pack_lens = [plens[pk[0]] + sum(rlens[i] for i in pk) for pk in packs]
         for chunk in micro_batches(pack_lens, self.cfg.ppo_max_token_len):
             chunk_rows = [i for c in chunk for i in packs[c]]
-            local, start = [], 0
-            for c in chunk:
-                local.append(list(range(start, start + len(packs[c]))))
-                start += len(packs[c])
             mb = sub.rows(chunk_rows)
-            yield chunk_rows, mb, pack_layout(mb, local)
+            yield chunk_rows, mb, pack_layout(mb, [len(packs[c]) for c in chunk])
 
     @torch.no_grad()
     def compute_log_probs(self, batch: ActorBatch, model: Decoder | None = None) -> torch.Tensor:
