@@ -26,7 +26,8 @@ needs_small_gemm = pytest.mark.skipif(kernels.small_gemm_lib() is None,
 
 
 def _skip_unless_available(path: str, dtype: torch.dtype) -> None:
-    if (path == "onednn" and not _can_pack(dtype)) or (path == "small_gemm" and kernels.small_gemm_lib() is None):
+    if (path == "onednn" and not _can_pack(dtype)) or (path in ("small_gemm", "fused")
+                                                        and kernels.small_gemm_lib() is None):
         pytest.skip(f"{path} is not available here")
 
 
@@ -178,7 +179,8 @@ def _greedy(llm, prompts, n=12):
                                                                                    sampling_params=p)]
 
 
-@pytest.mark.parametrize("path,dtype", [("onednn", "bfloat16"), ("onednn", "float32"), ("small_gemm", "float32")])
+@pytest.mark.parametrize("path,dtype", [("onednn", "bfloat16"), ("onednn", "float32"), ("small_gemm", "float32"),
+                                        ("fused", "float32")])
 def test_engine_same_with_each_matmul_path_across_weight_updates(tiny_llama_dir, path, dtype):
     """The RL loop's case: generate, update the weights in place, generate again; the fast path gives torch's
     tokens each time (bit-identical logprobs for bf16 oneDNN, within 1e-4 in fp32)."""
@@ -199,7 +201,8 @@ def test_engine_same_with_each_matmul_path_across_weight_updates(tiny_llama_dir,
         with torch.no_grad():  # an "optimizer step": every weight changes in place
             for p in llm.model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
-    assert any((id(p), path) in kernels._PACKED for p in llm.model.parameters())
+    packed_as = "small_gemm" if path == "fused" else path  # the fused layer reads small_gemm's packed weights
+    assert any((id(p), packed_as) in kernels._PACKED for p in llm.model.parameters())
 
 
 @pytest.mark.parametrize("V", [49152, 1000, 100])
@@ -212,3 +215,86 @@ def test_blocked_argmax_is_torch_argmax_with_first_max_ties(V):
     x[2] = 0.0                             # all equal
     assert torch.equal(argmax(x), x.argmax(-1))
     assert argmax(x)[0] == 3 and argmax(x)[1] == V // 2 and argmax(x)[2] == 0
+
+
+def _cached_forward(layer, x, cos, sin, k, v, lens, T, tree, counter=None):
+    """One cached forward of `layer` for x [B, T, H] at cache lengths `lens` (S = tree width - T speculative
+    entries already in the cache) -> (output, k, v): the caches are copies, written by the forward."""
+    from tlt.models.decoder import CacheView, cache_mask
+    k, v = [t.clone() for t in k], [t.clone() for t in v]
+    view = CacheView(k, v, lens, slot_start=1, tree_mask=tree)
+    mask, plan = cache_mask(view, T, "cpu")
+    with torch.inference_mode():
+        out = layer(x, cos, sin, mask, view, plan)
+    return out, k[0], v[0]
+
+
+@needs_small_gemm
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "drafter"])
+@pytest.mark.parametrize("T", [1, 4])
+def test_fused_decode_layer_equals_the_layers_torch_ops(family, T, monkeypatch):
+    """csrc/decode_layer.c (one call a layer) = DecoderLayer's torch ops, output and the K/V it writes: Llama,
+    Qwen2 (qkv bias), Qwen3 (per-head q/k norms), the drafter's layer (no input norm); decode (T = 1) and a
+    verification block (T = 4 new tokens behind 2 speculative entries, a tree mask). Rows sit at cache slot 1 on
+    (slot_start) with different cache lengths. Negative controls: one tree-mask entry flipped, or the rotary phase of
+    one row shifted, changes the fused output beyond the tolerance."""
+    from tlt.models.config import ModelConfig
+    from tlt.models.decoder import DecoderLayer, Rotary
+    g = torch.Generator().manual_seed(T)
+    cfg = ModelConfig(family="qwen3" if family == "qwen3" else "llama", vocab_size=64, hidden_size=64, intermediate_size=72, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                      attention_bias=family == "qwen2", qk_norm=family == "qwen3")
+    layer = DecoderLayer(cfg, 0, input_norm=family != "drafter")
+    with torch.no_grad():
+        for prm in layer.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g) * (0.3 if prm.dim() > 1 else 1.0) + (prm.dim() == 1))
+    B, S, cap = 3, 2, 40
+    lens = torch.tensor([5, 0, 17])
+    x = torch.randn(B, T, 64, generator=g)
+    pos = lens[:, None] + S + torch.arange(T)
+    cos, sin = Rotary(cfg)(pos, torch.float32)
+    k = [torch.randn(B + 2, 2, cap, 16, generator=g)]
+    v = [torch.randn(B + 2, 2, cap, 16, generator=g)]
+    tree = torch.ones(T, S + T, dtype=torch.bool).tril(S)
+    tree[-1, 0] = False  # the last new token does not see the first speculative entry
+
+    calls = []
+    real = kernels.decode_layer
+    monkeypatch.setattr("tlt.models.decoder.decode_layer", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with kernels.backend("fused"):
+        fused = _cached_forward(layer, x, cos, sin, k, v, lens, T, tree)
+        flipped = tree.clone()
+        flipped[0, 0] = not flipped[0, 0]
+        wrong_mask = _cached_forward(layer, x, cos, sin, k, v, lens, T, flipped)[0]
+        wrong_phase = _cached_forward(layer, x, cos.roll(1, 0), sin.roll(1, 0), k, v, lens, T, tree)[0]
+    assert len(calls) == 3  # the fused kernel served every forward above
+    with kernels.backend("torch"):
+        ref = _cached_forward(layer, x, cos, sin, k, v, lens, T, tree)
+    assert len(calls) == 3
+    scale = float(ref[0].abs().max())  # outputs reach ~100 here: fp32 sums in another order differ by ~1e-6 of that
+    torch.testing.assert_close(fused[0], ref[0], atol=2e-6 * scale, rtol=0)
+    for got, want in zip(fused[1:], ref[1:]):  # K (rotated, normed) and V written at the same slots and positions
+        torch.testing.assert_close(got, want, atol=2e-6 * float(want.abs().max()), rtol=0)
+    assert not torch.allclose(wrong_mask, ref[0], atol=1e-3)
+    assert not torch.allclose(wrong_phase, ref[0], atol=1e-3)
+
+
+@needs_small_gemm
+def test_fused_decode_layer_only_where_it_can_run():
+    """The fused layer needs fp32 on CPU without autograd and the small-row matmul path; anything else keeps the
+    layer's torch ops."""
+    from tlt.models.kernels import LayerWeights, decode_layer_ok
+    w = LayerWeights(None, torch.ones(64), None, None, 1e-6, torch.nn.Parameter(torch.randn(96, 64)), None,
+                     torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(144, 64)),
+                     torch.nn.Parameter(torch.randn(64, 72)), 4, 2)
+    kc = torch.zeros(2, 2, 8, 16)
+    x = torch.randn(2, 1, 64)
+    with torch.inference_mode(), kernels.backend("fused"):
+        assert decode_layer_ok(x, w, kc)
+        assert not decode_layer_ok(x.bfloat16(), w, kc)
+        assert not decode_layer_ok(torch.randn(200, 1, 64), w, kc)  # more rows than SMALL_GEMM_MAX_ROWS
+        assert not decode_layer_ok(x, w, torch.zeros(2, 2, 8, 12))  # head dim not a multiple of 8
+    with torch.inference_mode(), kernels.backend("small_gemm"):
+        assert not decode_layer_ok(x, w, kc)
+    with kernels.backend("fused"):
+        assert not decode_layer_ok(x, w, kc)  # autograd on

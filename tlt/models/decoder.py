@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tlt.models.config import ModelConfig
-from tlt.models.kernels import Linear, attention_bias, linear, small_query_attention
+from tlt.models.kernels import (LayerWeights, Linear, attention_bias, decode_layer, decode_layer_ok, linear,
+                                small_query_attention)
 
 SMALL_QUERY = 16  # new tokens per row up to which cached attention uses small_query_attention
 
@@ -141,8 +142,21 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, mask, cache=None, plan=None):
+        if plan is not None and plan.bias is not None:  # a few new tokens a row: one fused kernel call if it can
+            w, kc = self.weights(), cache.k[self.self_attn.layer_idx]
+            if decode_layer_ok(x, w, kc):
+                return decode_layer(x, w, cos, sin, kc, cache.v[self.self_attn.layer_idx], cache.slot_start,
+                                    plan.cols, plan.n_keys, plan.bias)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def weights(self) -> LayerWeights:
+        a, norm = self.self_attn, self.input_layernorm
+        return LayerWeights(None if isinstance(norm, nn.Identity) else norm.weight, self.post_attention_layernorm.weight,
+                            None if a.q_norm is None else a.q_norm.weight,
+                            None if a.k_norm is None else a.k_norm.weight,
+                            self.post_attention_layernorm.eps, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
+                            self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, a.nh, a.nkv)
 
 
 @dataclass

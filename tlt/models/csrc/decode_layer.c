@@ -1,0 +1,105 @@
+// One decoder layer for a few new tokens per row against the slot KV cache, fp32, in one call (decode and
+// speculative verification): the same arithmetic as DecoderLayer.forward's torch ops with tlt's matmul and
+// attention kernels, without ~20 torch ops a layer. At one row a SmolLM2 decode step spent ~40% of its time in
+// per-op overhead (dispatch, allocation, ctypes) rather than in reading weights.
+//   h = rms_norm(x) * ln1 (skipped when ln1 is NULL: the drafter's layer)       [M, H]
+//   q, k, v = h @ Wqkv^T (+ bqkv); q, k = rms_norm per head * q_norm / k_norm (Qwen3, when given), then rotary
+//   k, v -> cache slot s0 + m / T, position cols[m]; a = attention(q, cache, bias, n_keys)
+//   x' = x + a @ Wo^T;  x' += (silu(g) * u) @ Wd^T  where  g, u = rms_norm(x') * ln2 @ Wgu^T
+// Rows m = b * T + t. Weights are packed by tlt_pack; cos / ssin are [M, D] (ssin = [-sin, sin], see _rotate).
+// work holds M * ((nh + 2 nkv) D + nh D + 2 H + 3 I) floats.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "simd.h"
+
+void tlt_gemm_panel(const float* x, int M, int K, const float* packed, int N, const float* bias, float* y, int j);
+void tlt_cached_attention(const float* q, int64_t q_sb, int64_t q_st, int64_t q_sh, const float* k, const float* v,
+                          int cap, const int64_t* n_keys, const float* bias, float* out, int B, int T, int nh,
+                          int nkv, int D, float scale, int threads);
+
+static void gemm(const float* x, int M, int K, const float* packed, int N, const float* bias, float* y, int threads) {
+    int panels = (N + 15) / 16;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int j = 0; j < panels; j++) tlt_gemm_panel(x, M, K, packed, N, bias, y, j);
+}
+
+// y = w * (x * rsqrt(mean(x^2) + eps)), torch's rms_norm then the weight, over n floats (n % 8 == 0).
+static void rms_norm(const float* x, const float* w, int n, float eps, float* y) {
+    __m256 ss = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    __m256 r = _mm256_set1_ps(1.0f / sqrtf(hsum(ss) / (float)n + eps));
+    for (int i = 0; i < n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), r)));
+}
+
+// x * cos + [x2, x1] * ssin for one head of D floats, in place (two products and a sum, each rounded: torch's).
+static void rotate(float* x, const float* cos, const float* ssin, int D) {
+    float tmp[256];
+    int half = D / 2;
+    for (int d = 0; d < D; d++) {
+        float a = x[d] * cos[d], b = x[d < half ? d + half : d - half] * ssin[d];
+        tmp[d] = a + b;
+    }
+    memcpy(x, tmp, sizeof(float) * D);
+}
+
+void tlt_decode_layer(float* x_out, const float* x_in, int M, int T, int H, int I, int nh, int nkv, int D,
+                      const float* ln1, const float* ln2, const float* q_norm, const float* k_norm, float eps,
+                      const float* wqkv, const float* bqkv, const float* wo, const float* wgu, const float* wd,
+                      const float* cos, const float* ssin, float* k_cache, float* v_cache, int cap, int s0,
+                      const int64_t* cols, const int64_t* n_keys, const float* bias, float* work, int threads) {
+    const int W = (nh + 2 * nkv) * D, B = M / T;
+    float *qkv = work, *attn = qkv + (size_t)M * W, *h = attn + (size_t)M * nh * D, *tmp = h + (size_t)M * H;
+    float *gu = tmp + (size_t)M * H, *act = gu + (size_t)M * 2 * I;
+
+    const float* hin = x_in;
+    if (ln1) {
+        for (int m = 0; m < M; m++) rms_norm(x_in + (size_t)m * H, ln1, H, eps, h + (size_t)m * H);
+        hin = h;
+    }
+    gemm(hin, M, H, wqkv, W, bqkv, qkv, threads);
+    for (int m = 0; m < M; m++) {
+        float* row = qkv + (size_t)m * W;
+        const float *c = cos + (size_t)m * D, *s = ssin + (size_t)m * D;
+        for (int hd = 0; hd < nh + nkv; hd++) {
+            float* x = row + (size_t)hd * D;
+            const float* nw = hd < nh ? q_norm : k_norm;
+            if (nw) rms_norm(x, nw, D, eps, x);
+            rotate(x, c, s, D);
+        }
+        int64_t slot = s0 + m / T, col = cols[m];
+        for (int kh = 0; kh < nkv; kh++) {
+            size_t at = (((size_t)slot * nkv + kh) * cap + (size_t)col) * D;
+            memcpy(k_cache + at, row + (size_t)(nh + kh) * D, sizeof(float) * D);
+            memcpy(v_cache + at, row + (size_t)(nh + nkv + kh) * D, sizeof(float) * D);
+        }
+    }
+    size_t slot0 = (size_t)s0 * nkv * cap * D;
+    tlt_cached_attention(qkv, (int64_t)T * W, W, D, k_cache + slot0, v_cache + slot0, cap, n_keys, bias, attn, B, T,
+                         nh, nkv, D, 1.0f / sqrtf((float)D), threads);
+
+    gemm(attn, M, nh * D, wo, H, NULL, tmp, threads);
+    for (size_t i = 0; i < (size_t)M * H; i++) x_out[i] = x_in[i] + tmp[i];
+    for (int m = 0; m < M; m++) rms_norm(x_out + (size_t)m * H, ln2, H, eps, h + (size_t)m * H);
+    gemm(h, M, H, wgu, 2 * I, NULL, gu, threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
+    for (int m = 0; m < M; m++) {  // silu(g) * u = g / (1 + exp(-g)) * u
+        const float *g = gu + (size_t)m * 2 * I, *u = g + I;
+        float* a = act + (size_t)m * I;
+        int i = 0;
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(a + i, _mm256_mul_ps(sv, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+    gemm(act, M, I, wd, H, NULL, tmp, threads);
+    for (size_t i = 0; i < (size_t)M * H; i++) x_out[i] += tmp[i];
+}
