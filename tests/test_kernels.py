@@ -229,6 +229,30 @@ def _cached_forward(layer, x, cos, sin, k, v, lens, T, tree, counter=None):
     return out, k[0], v[0]
 
 
+def _random_layer(family: str, T: int, seed: int = 0):
+    """A random one-layer model of `family` ("drafter": no input norm) and a cached step's inputs for it: rows at
+    different cache lengths, T new tokens behind S = 2 speculative entries, a tree mask."""
+    from tlt.models.config import ModelConfig
+    from tlt.models.decoder import DecoderLayer, Rotary
+    g = torch.Generator().manual_seed(seed * 10 + T)
+    cfg = ModelConfig(family="qwen3" if family == "qwen3" else "llama", vocab_size=64, hidden_size=64,
+                      intermediate_size=72, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                      attention_bias=family == "qwen2", qk_norm=family == "qwen3")
+    layer = DecoderLayer(cfg, 0, input_norm=family != "drafter")
+    with torch.no_grad():
+        for prm in layer.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g) * (0.3 if prm.dim() > 1 else 1.0) + (prm.dim() == 1))
+    B, S, cap = 3, 2, 40
+    lens = torch.tensor([5, 0, 17])
+    x = torch.randn(B, T, 64, generator=g)
+    cos, sin = Rotary(cfg)(lens[:, None] + S + torch.arange(T), torch.float32)
+    k = [torch.randn(B + 2, 2, cap, 16, generator=g)]
+    v = [torch.randn(B + 2, 2, cap, 16, generator=g)]
+    tree = torch.ones(T, S + T, dtype=torch.bool).tril(S)
+    tree[-1, 0] = False  # the last new token does not see the first speculative entry
+    return layer, (x, cos, sin, k, v, lens, tree)
+
+
 @needs_small_gemm
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "drafter"])
 @pytest.mark.parametrize("T", [1, 4])
@@ -238,25 +262,7 @@ def test_fused_decode_layer_equals_the_layers_torch_ops(family, T, monkeypatch):
     verification block (T = 4 new tokens behind 2 speculative entries, a tree mask). Rows sit at cache slot 1 on
     (slot_start) with different cache lengths. Negative controls: one tree-mask entry flipped, or the rotary phase of
     one row shifted, changes the fused output beyond the tolerance."""
-    from tlt.models.config import ModelConfig
-    from tlt.models.decoder import DecoderLayer, Rotary
-    g = torch.Generator().manual_seed(T)
-    cfg = ModelConfig(family="qwen3" if family == "qwen3" else "llama", vocab_size=64, hidden_size=64, intermediate_size=72, num_layers=1, num_heads=4,
-                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                      attention_bias=family == "qwen2", qk_norm=family == "qwen3")
-    layer = DecoderLayer(cfg, 0, input_norm=family != "drafter")
-    with torch.no_grad():
-        for prm in layer.parameters():
-            prm.copy_(torch.randn(prm.shape, generator=g) * (0.3 if prm.dim() > 1 else 1.0) + (prm.dim() == 1))
-    B, S, cap = 3, 2, 40
-    lens = torch.tensor([5, 0, 17])
-    x = torch.randn(B, T, 64, generator=g)
-    pos = lens[:, None] + S + torch.arange(T)
-    cos, sin = Rotary(cfg)(pos, torch.float32)
-    k = [torch.randn(B + 2, 2, cap, 16, generator=g)]
-    v = [torch.randn(B + 2, 2, cap, 16, generator=g)]
-    tree = torch.ones(T, S + T, dtype=torch.bool).tril(S)
-    tree[-1, 0] = False  # the last new token does not see the first speculative entry
+    layer, (x, cos, sin, k, v, lens, tree) = _random_layer(family, T)
 
     calls = []
     real = kernels.decode_layer
@@ -298,3 +304,24 @@ def test_fused_decode_layer_only_where_it_can_run():
         assert not decode_layer_ok(x, w, kc)
     with kernels.backend("fused"):
         assert not decode_layer_ok(x, w, kc)  # autograd on
+
+
+@needs_small_gemm
+def test_fused_layer_follows_weights_updated_or_replaced():
+    """The fused layer gathers its tensors once: an in-place update (an optimizer step) and parameters replaced by
+    load_state_dict(assign=True) both reach it (it matches the torch ops on the new weights, not the old)."""
+    layer, (x, cos, sin, k, v, lens, tree) = _random_layer("qwen2", 1)
+    other, _ = _random_layer("qwen2", 1, seed=1)
+    with kernels.backend("fused"):
+        before = _cached_forward(layer, x, cos, sin, k, v, lens, 1, tree)[0]
+    with torch.no_grad():
+        layer.mlp.down_proj.weight.mul_(0.5)
+    with kernels.backend("fused"):
+        halved = _cached_forward(layer, x, cos, sin, k, v, lens, 1, tree)[0]
+    layer.load_state_dict({n: p.clone() for n, p in other.state_dict().items()}, assign=True)
+    with kernels.backend("fused"):
+        replaced = _cached_forward(layer, x, cos, sin, k, v, lens, 1, tree)[0]
+    with kernels.backend("torch"):
+        want = _cached_forward(other, x, cos, sin, k, v, lens, 1, tree)[0]
+    assert not torch.allclose(halved, before, atol=1e-3)
+    torch.testing.assert_close(replaced, want, atol=2e-6 * float(want.abs().max()), rtol=0)
