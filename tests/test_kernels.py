@@ -217,7 +217,7 @@ def test_blocked_argmax_is_torch_argmax_with_first_max_ties(V):
     assert argmax(x)[0] == 3 and argmax(x)[1] == V // 2 and argmax(x)[2] == 0
 
 
-def _cached_forward(layer, x, cos, sin, k, v, lens, T, tree, counter=None):
+def _cached_forward(layer, x, cos, sin, k, v, lens, T, tree):
     """One cached forward of `layer` for x [B, T, H] at cache lengths `lens` (S = tree width - T speculative
     entries already in the cache) -> (output, k, v): the caches are copies, written by the forward."""
     from tlt.models.decoder import CacheView, cache_mask

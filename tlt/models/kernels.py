@@ -273,7 +273,8 @@ def decode_layer(x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, signed_sin
     """A whole decoder layer for x [B, T, H] in one kernel call (csrc/decode_layer.c), writing this step's K/V into
     the slot cache [S, nkv, cap, D] at slot slot_start + b, positions cols [B, T]; cos / signed_sin [B, T, 1, D],
     n_keys [B] and bias [B, 1, 1, T, cap] as for `small_query_attention`. Same arithmetic as the layer's torch ops
-    with tlt's matmul and attention kernels, up to the order of rms_norm's sum and silu's exp (~1e-7 relative)."""
+    with tlt's matmul and attention kernels, up to the order of rms_norm's sum and silu's exp (~1e-6 of the
+    output's scale)."""
     B, T, H = x.shape
     nh, nkv, D = w.num_heads, w.num_kv_heads, k_cache.shape[-1]
     inter = w.down.shape[1]

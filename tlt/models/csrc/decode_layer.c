@@ -14,16 +14,11 @@
 
 #include "simd.h"
 
-void tlt_gemm_panel(const float* x, int M, int K, const float* packed, int N, const float* bias, float* y, int j);
+void tlt_small_gemm(const float* x, int M, int K, const float* packed, int N, const float* bias, float* y,
+                    int threads);
 void tlt_cached_attention(const float* q, int64_t q_sb, int64_t q_st, int64_t q_sh, const float* k, const float* v,
                           int cap, const int64_t* n_keys, const float* bias, float* out, int B, int T, int nh,
                           int nkv, int D, float scale, int threads);
-
-static void gemm(const float* x, int M, int K, const float* packed, int N, const float* bias, float* y, int threads) {
-    int panels = (N + 15) / 16;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int j = 0; j < panels; j++) tlt_gemm_panel(x, M, K, packed, N, bias, y, j);
-}
 
 // y = w * (x * rsqrt(mean(x^2) + eps)), torch's rms_norm then the weight, over n floats (n % 8 == 0).
 static void rms_norm(const float* x, const float* w, int n, float eps, float* y) {
@@ -62,7 +57,7 @@ void tlt_decode_layer(float* x_out, const float* x_in, int M, int T, int H, int 
         for (int m = 0; m < M; m++) rms_norm(x_in + (size_t)m * H, ln1, H, eps, h + (size_t)m * H);
         hin = h;
     }
-    gemm(hin, M, H, wqkv, W, bqkv, qkv, threads);
+    tlt_small_gemm(hin, M, H, wqkv, W, bqkv, qkv, threads);
     for (int m = 0; m < M; m++) {
         float* row = qkv + (size_t)m * W;
         const float *c = cos + (size_t)m * D, *s = ssin + (size_t)m * D;
@@ -83,10 +78,10 @@ void tlt_decode_layer(float* x_out, const float* x_in, int M, int T, int H, int 
     tlt_cached_attention(qkv, (int64_t)T * W, W, D, k_cache + slot0, v_cache + slot0, cap, n_keys, bias, attn, B, T,
                          nh, nkv, D, 1.0f / sqrtf((float)D), threads);
 
-    gemm(attn, M, nh * D, wo, H, NULL, tmp, threads);
+    tlt_small_gemm(attn, M, nh * D, wo, H, NULL, tmp, threads);
     for (size_t i = 0; i < (size_t)M * H; i++) x_out[i] = x_in[i] + tmp[i];
     for (int m = 0; m < M; m++) rms_norm(x_out + (size_t)m * H, ln2, H, eps, h + (size_t)m * H);
-    gemm(h, M, H, wgu, 2 * I, NULL, gu, threads);
+    tlt_small_gemm(h, M, H, wgu, 2 * I, NULL, gu, threads);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
     for (int m = 0; m < M; m++) {  // silu(g) * u = g / (1 + exp(-g)) * u
         const float *g = gu + (size_t)m * 2 * I, *u = g + I;
@@ -100,6 +95,6 @@ void tlt_decode_layer(float* x_out, const float* x_in, int M, int T, int H, int 
         }
         for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
-    gemm(act, M, I, wd, H, NULL, tmp, threads);
+    tlt_small_gemm(act, M, I, wd, H, NULL, tmp, threads);
     for (size_t i = 0; i < (size_t)M * H; i++) x_out[i] += tmp[i];
 }

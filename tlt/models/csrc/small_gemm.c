@@ -45,32 +45,29 @@ PANEL_ROWS(4)
 PANEL_ROWS(5)
 PANEL_ROWS(6)
 
-// Output columns [16 j, 16 j + 16) of all M rows: the panel stays in L1/L2 from one block of rows to the next.
-void tlt_gemm_panel(const float* x, int M, int K, const float* packed, int N, const float* bias, float* y, int j) {
-    const float* p = packed + (size_t)j * K * PANEL;
-    int n0 = j * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
-    float acc[ROWS * PANEL];
-    for (int m = 0; m < M; m += ROWS) {
-        int R = M - m < ROWS ? M - m : ROWS;
-        const float* xr = x + (size_t)m * K;
-        switch (R) {
-            case 1: panel_1(xr, K, p, acc); break;
-            case 2: panel_2(xr, K, p, acc); break;
-            case 3: panel_3(xr, K, p, acc); break;
-            case 4: panel_4(xr, K, p, acc); break;
-            case 5: panel_5(xr, K, p, acc); break;
-            default: panel_6(xr, K, p, acc); break;
-        }
-        for (int r = 0; r < R; r++) {
-            float* out = y + (size_t)(m + r) * N + n0;
-            for (int c = 0; c < width; c++) out[c] = acc[r * PANEL + c] + (bias ? bias[n0 + c] : 0.0f);
-        }
-    }
-}
-
 void tlt_small_gemm(const float* x, int M, int K, const float* packed, int N, const float* bias, float* y,
                     int threads) {
     int panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int j = 0; j < panels; j++) tlt_gemm_panel(x, M, K, packed, N, bias, y, j);
+    for (int j = 0; j < panels; j++) {
+        const float* p = packed + (size_t)j * K * PANEL;
+        int n0 = j * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
+        float acc[ROWS * PANEL];
+        for (int m = 0; m < M; m += ROWS) {  // the panel stays in L1/L2 for the next rows
+            int R = M - m < ROWS ? M - m : ROWS;
+            const float* xr = x + (size_t)m * K;
+            switch (R) {
+                case 1: panel_1(xr, K, p, acc); break;
+                case 2: panel_2(xr, K, p, acc); break;
+                case 3: panel_3(xr, K, p, acc); break;
+                case 4: panel_4(xr, K, p, acc); break;
+                case 5: panel_5(xr, K, p, acc); break;
+                default: panel_6(xr, K, p, acc); break;
+            }
+            for (int r = 0; r < R; r++) {
+                float* out = y + (size_t)(m + r) * N + n0;
+                for (int c = 0; c < width; c++) out[c] = acc[r * PANEL + c] + (bias ? bias[n0 + c] : 0.0f);
+            }
+        }
+    }
 }
