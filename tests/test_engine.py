@@ -75,6 +75,43 @@ def test_seeded_sampling_is_batch_independent(tiny_llama_dir):
     assert a[0].group_id == a[0].request_id
 
 
+def test_repeated_prompts_are_prefilled_once(tiny_llama_dir, monkeypatch):
+    """A request's n samples (and requests with the same prompt) run the prompt through the model once; the
+    repeats get its K/V, logits and hidden states. Outputs and logprobs equal prefilling every row, also when a
+    group is split across admissions (max_num_seqs 5 < 3 prompts x 3 samples)."""
+    from tlt.engine import scheduler
+    prompts = _prompts(2, seed=6)
+    prompts.append(list(prompts[0]))  # a third request repeating the first prompt
+    p = tlt.SamplingParams(temperature=0.9, max_tokens=10, seed=3, n=3, return_hidden_states=True)
+
+    def run(share: bool, max_num_seqs: int):
+        if not share:  # admission order left as is: the runner then prefills every row
+            monkeypatch.setattr(scheduler, "distinct_prompts_first", lambda seqs: seqs)
+        llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=max_num_seqs)
+        rows, forward = [], llm.engine.model.forward
+
+        def counting_forward(ids, *args, **kwargs):
+            if ids.shape[1] > 1:  # a prefill (decode steps feed one token a row)
+                rows.append(ids.shape[0])
+            return forward(ids, *args, **kwargs)
+        monkeypatch.setattr(llm.engine.model, "forward", counting_forward)
+        outs = llm.generate(prompts, p)
+        monkeypatch.undo()
+        return outs, rows
+
+    ref, ref_rows = run(share=False, max_num_seqs=16)
+    assert ref_rows == [9]
+    for max_num_seqs, expect_rows in [(16, [2]), (5, [2, 2])]:  # admissions {A,A,A,B,B}, {B,A,A,A}
+        outs, rows = run(share=True, max_num_seqs=max_num_seqs)
+        assert rows == expect_rows
+        for o, r in zip(outs, ref):
+            for c, rc in zip(o.outputs, r.outputs):
+                assert c.token_ids == rc.token_ids
+                torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(rc.logprobs), rtol=0, atol=1e-5)
+                torch.testing.assert_close(c.hidden_states, rc.hidden_states, rtol=0, atol=1e-4)
+    assert len({tuple(c.token_ids) for c in ref[0].outputs}) > 1  # the samples differ: the rows are really apart
+
+
 def test_kv_cache_slots_follow_the_running_batch(tiny_llama_dir):
     """max_num_seqs is a ceiling, not an allocation: 3 requests allocate one rounded group of 8 slots, 20 grow it,
     and outputs do not depend on when the cache grew."""

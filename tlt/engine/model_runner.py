@@ -19,18 +19,34 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Prompts of sequences in consecutive slots -> (logits [B, V] fp32 at each last prompt token, the hidden
-        state there [B, H], hidden [B, T, H] of all prompt tokens)."""
-        lens = [len(s.prompt_ids) for s in seqs]
+        state there [B, H], hidden [B, T, H] of all prompt tokens).
+
+        Each distinct prompt is computed once: when the first U sequences hold the distinct prompts and the rest
+        repeat them (the scheduler's order for a request's n samples), only those U rows run and the repeats get
+        copies of their K/V, logits and hidden states. A rollout of n samples a prompt prefills 1/n of the tokens.
+        """
+        first: dict[tuple[int, ...], int] = {}
+        src = [first.setdefault(tuple(s.prompt_ids), len(first)) for s in seqs]
+        U = len(first)
+        if src[:U] != list(range(U)):  # not in distinct-first order: prefill every row
+            src, U = list(range(len(seqs))), len(seqs)
+        lens = [len(s.prompt_ids) for s in seqs[:U]]
         T = max(lens)
-        ids = self._tensor([s.prompt_ids + [0] * (T - len(s.prompt_ids)) for s in seqs])  # right padding: causal
-        B = len(seqs)                                                                       # rows never see it
-        positions = torch.arange(T, device=self.device).expand(B, T)
-        view = self.kv.view(torch.zeros(B, dtype=torch.long, device=self.device), slot_start=seqs[0].slot)
-        hidden = self.model(ids, positions, view)
-        last = hidden[torch.arange(B), self._tensor(lens) - 1]
-        for s, n in zip(seqs, lens):
-            s.num_cached = n
-        return self.model.logits(last), last, hidden
+        ids = self._tensor([s.prompt_ids + [0] * (T - len(s.prompt_ids)) for s in seqs[:U]])  # right padding:
+        positions = torch.arange(T, device=self.device).expand(U, T)                          # causal rows never
+        s0 = seqs[0].slot                                                                     # see it
+        hidden = self.model(ids, positions, self.kv.view(torch.zeros(U, dtype=torch.long, device=self.device), s0))
+        last = hidden[torch.arange(U), self._tensor(lens) - 1]
+        logits = self.model.logits(last)
+        if U < len(seqs):
+            dst, from_ = self._tensor([s.slot for s in seqs[U:]]), self._tensor([s0 + j for j in src[U:]])
+            for t in self.kv.k + self.kv.v:
+                t[dst, :, :T] = t[from_, :, :T]
+            rows = self._tensor(src)
+            logits, last, hidden = logits[rows], last[rows], hidden[rows]
+        for s in seqs:
+            s.num_cached = len(s.prompt_ids)
+        return logits, last, hidden
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,9 @@
 
 A sequence is admitted only if, with it, every running sequence still fits in the cache at its worst-case length
 (prompt + max_tokens): generation can never run out of KV memory mid-sequence, so there is no OOM and no
-preemption. Running sequences hold slots 0..B-1 in slot order.
+preemption. Running sequences hold slots 0..B-1 in slot order. Within one admission, sequences whose prompt is
+already in the block (the n samples of a request, GRPO's group) take the slots after all first occurrences, so
+the runner prefills each distinct prompt once, in consecutive slots, and copies its K/V to the others.
 """
 from __future__ import annotations
 
@@ -31,16 +33,19 @@ class Scheduler:
         """Move waiting sequences into free slots while the worst-case cache footprint fits the budget."""
         admitted = []
         longest = max((s.max_total_len for s in self.running), default=0)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
             seq = self.waiting[0]
             new_longest = max(longest, seq.max_total_len)
-            if (len(self.running) + 1) * new_longest > self.max_cache_tokens and self.running:
+            n = len(self.running) + len(admitted)
+            if (n + 1) * new_longest > self.max_cache_tokens and n:
                 break
             self.waiting.popleft()
             longest = new_longest
+            admitted.append(seq)
+        admitted = distinct_prompts_first(admitted)
+        for seq in admitted:
             seq.status, seq.slot = Status.RUNNING, len(self.running)
             self.running.append(seq)
-            admitted.append(seq)
         if admitted:
             self.kv.ensure_capacity(longest, len(self.running))
             for cache in self.extra_caches:  # slot-indexed like the target's (their lengths grow on their own)
@@ -64,3 +69,14 @@ class Scheduler:
         for seq in done:
             seq.slot = -1
         self.running.sort(key=lambda s: s.slot)
+
+
+def distinct_prompts_first(seqs: list[Sequence]) -> list[Sequence]:
+    """seqs reordered (stably) so that each prompt's first occurrence comes before every repeat of a prompt."""
+    seen: set[tuple[int, ...]] = set()
+    first, repeats = [], []
+    for s in seqs:
+        key = tuple(s.prompt_ids)
+        (repeats if key in seen else first).append(s)
+        seen.add(key)
+    return first + repeats
