@@ -317,6 +317,33 @@ def test_shared_prompt_packing_is_exact(tiny_dir):
     assert not torch.allclose(leaky, good, atol=1e-3)
 
 
+def test_tied_embedding_gradient_is_the_dense_one(tmp_path):
+    """With tied embeddings the actor takes the lookup's gradient as sparse rows (no [V, H] scatter); summed
+    into the LM head's dense gradient it equals the all-dense gradient, and .grad stays dense (AdamW's kind).
+    Control: without the lookup's share the gradient differs beyond the tolerance."""
+    import torch.nn.functional as F
+    from tests.conftest import make_tiny_checkpoint
+    from tlt.config import ActorConfig
+    from tlt.models import load_model
+    from tlt.rl.actor import Actor
+    path = make_tiny_checkpoint(tmp_path / "tied", "qwen3", tie=True)
+    batch = _actor_batch(prompt_shared=True)
+    grads = {}
+    for mode in ("sparse", "dense", "head only"):
+        model = load_model(path, dtype=torch.float32, device="cpu")
+        actor = Actor(model, ActorConfig(lr=0.0), total_steps=1)
+        emb = model.embed_tokens
+        assert model.lm_head is None and emb.sparse
+        emb.sparse = mode == "sparse"
+        if mode == "head only":
+            emb.forward = lambda ids, emb=emb: F.embedding(ids, emb.weight.detach())
+        actor.update(batch, num_mini_batches=1)
+        assert not emb.weight.grad.is_sparse
+        grads[mode] = emb.weight.grad.clone()
+    torch.testing.assert_close(grads["sparse"], grads["dense"], atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(grads["head only"], grads["dense"], atol=1e-6, rtol=1e-5)
+
+
 # ---------------------------------------------------------------- data parallel
 
 

@@ -192,8 +192,12 @@ class Actor:
         self.model, self.cfg = model, cfg
         self.device = next(model.parameters()).device
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # Not fused=True: torch's fused AdamW updates the weights without bumping their version counters, and the
+        # engine's packed weight copies (tlt.models.kernels) rely on them to notice an update.
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay)
+        if model.lm_head is None:  # tied: the lookup's rows join the LM head's dense gradient (no [V, H] scatter)
+            model.embed_tokens.sparse = True
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor(total_steps))
         fast_bf16 = self.device.type == "cuda" or cpu_has_fast_bf16()
         self.use_autocast = cfg.bf16_autocast and fast_bf16 and next(model.parameters()).dtype == torch.float32
