@@ -62,3 +62,12 @@ def test_oracle_accept_bound_on_a_real_model_is_ordered(tiny_llama_dir):
     b4, b8 = oracle_accept_bound(model, pairs, 4), oracle_accept_bound(model, pairs, 8)
     assert 1.0 < b4[1] < b4[2] < b4[4] <= 5.0  # more children, more mass; at most 1 + depth
     assert all(b8[k] >= b4[k] for k in b4)
+
+
+def test_trl_bench_per_token_time():
+    """Step time per 1000 sampled response tokens: the length-normalised figure next to the per-step ratio."""
+    from tlt.bench.trl_grpo import seconds_per_ktok
+    # 16 responses a step: 40 s for 1000 tokens (62.5 each), 30 s for 500, 60 s for 2000 -> 40, 60, 30 s/ktok
+    assert seconds_per_ktok([40.0, 30.0, 60.0], [62.5, 31.25, 125.0], 16) == 40.0
+    assert seconds_per_ktok([40.0, 30.0], [None, 62.5], 16) == 30.0  # a step without a length is left out
+    assert seconds_per_ktok([40.0], [None], 16) is None

@@ -30,6 +30,12 @@ SPEEDUP_GOAL = 5.0
 LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum": "dr_grpo"}
 
 
+def seconds_per_ktok(step_s: list[float], resp_len: list[float | None], responses_per_step: int) -> float | None:
+    """Median over steps of the step time per 1000 response tokens sampled in it (None without lengths)."""
+    vals = [t / (n * responses_per_step / 1000) for t, n in zip(step_s, resp_len) if n]
+    return statistics.median(vals) if vals else None
+
+
 def run_trl(cfg, steps: int, out: Path) -> dict:
     """TRL GRPO for `steps` RL steps; {"step_s": [...]} or {"error": why}."""
     try:
@@ -132,16 +138,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"steps={steps} prompts/step={d.train_batch_size} n={r.n} max_response={d.max_response_length} "
           f"lr={cfg.actor.lr} threads={a.threads}; step time: median over steps (min-max), first step included")
     trl_med = statistics.median(res["trl"]["step_s"]) if res["trl"].get("step_s") else None
+    per_step = d.train_batch_size * r.n
+    trl_ktok = seconds_per_ktok(res["trl"].get("step_s", []), res["trl"].get("resp_len", []), per_step)
     rows = []
     for name, v in res.items():
         if "step_s" not in v:
             continue
         med = statistics.median(v["step_s"])
-        v.update(median_step_s=med, speedup_vs_trl=trl_med / med if trl_med else None)
+        ktok = seconds_per_ktok(v["step_s"], v["resp_len"], per_step)
+        v.update(median_step_s=med, speedup_vs_trl=trl_med / med if trl_med else None, s_per_ktok=ktok,
+                 per_token_speedup_vs_trl=trl_ktok / ktok if trl_ktok and ktok else None)
         rows.append({"trainer": name, "step_s": med, "spread": f"{min(v['step_s']):.2f}-{max(v['step_s']):.2f}",
                      "x_vs_trl": v["speedup_vs_trl"], "reward": statistics.mean(v["reward"]) if v["reward"] else None,
-                     "resp_len": statistics.mean(x for x in v["resp_len"] if x is not None) if v["resp_len"] else None})
-    print_table(rows, ["trainer", "step_s", "spread", "x_vs_trl", "reward", "resp_len"])
+                     "resp_len": statistics.mean(x for x in v["resp_len"] if x is not None) if v["resp_len"] else None,
+                     "s_per_ktok": ktok, "x_per_tok": v["per_token_speedup_vs_trl"]})
+    print_table(rows, ["trainer", "step_s", "spread", "x_vs_trl", "reward", "resp_len", "s_per_ktok", "x_per_tok"])
+    print("s_per_ktok: step time per 1000 sampled response tokens (median over steps): each trainer samples its own "
+          "responses, so their lengths, and the work of a step, differ by chance")
     if "error" in res["trl"]:
         print(f"TRL not timed: {res['trl']['error']}")
     best = max((v.get("speedup_vs_trl") or 0.0 for k, v in res.items() if k.startswith("tlt")), default=0.0)
