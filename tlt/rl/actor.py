@@ -196,8 +196,8 @@ class Actor:
         # engine's packed weight copies (tlt.models.kernels) rely on them to notice an update.
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay)
-        if model.lm_head is None:  # tied: the lookup's rows join the LM head's dense gradient (no [V, H] scatter)
-            model.embed_tokens.sparse = True
+        if model.lm_head is None and self.device.type == "cpu":  # tied: the lookup's rows join the LM head's dense
+            model.embed_tokens.sparse = True                     # gradient (no [V, H] scatter; measured on CPU)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor(total_steps))
         fast_bf16 = self.device.type == "cuda" or cpu_has_fast_bf16()
         self.use_autocast = cfg.bf16_autocast and fast_bf16 and next(model.parameters()).dtype == torch.float32
