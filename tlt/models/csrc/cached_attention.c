@@ -4,7 +4,7 @@
 // of a rollout reads keys up to prompt + max_tokens; this reads each row's own keys only, and its exp is AVX2.
 // bias is 0 / -inf ([B, T, cap], the tree mask of this step's speculative block); keys at or past n_keys[b] are
 // never read. Query rows may be strided views (the output of the qkv projection); the last dim is contiguous.
-// Built with small_gemm.c into one library by tlt/models/kernels.py (cc -O3 -mavx2 -mfma -fopenmp).
+// Built with small_gemm.c into one library by tlt/models/kernels.py (flags: kernels._CFLAGS).
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>

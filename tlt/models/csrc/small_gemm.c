@@ -3,7 +3,7 @@
 // columns, each panel contiguous over k ([N/16][K][16], zero-padded), so one pass streams the whole weight
 // sequentially while every weight vector loaded feeds up to 6 rows of FMAs (12 accumulators, 2 weight vectors and a
 // broadcast: 15 of AVX2's 16 registers), so a chain-4 verification (5 rows a sequence) costs one pass.
-// Built at run time by tlt/models/kernels.py with: cc -O3 -mavx2 -mfma -fopenmp -shared -fPIC.
+// Built at run time by tlt/models/kernels.py (flags: kernels._CFLAGS).
 #include <immintrin.h>
 #include <string.h>
 
