@@ -292,11 +292,12 @@ def test_actor_same_result_whatever_the_micro_batch_split(tiny_dir):
 
 
 def test_shared_prompt_packing_is_exact(tiny_dir):
-    """Responses packed behind their group's one prompt (block mask, their own positions) give the log-probs and
-    gradient of one row per response, under any token budget; a mask that lets a response see its pack-mates
-    (the negative control) does not."""
+    """Responses packed behind their group's one prompt (per-segment attention on CPU, their own positions) give
+    the log-probs and gradient of one row per response, under any token budget; so does the layout's dense mask
+    (the path off CPU); a mask that lets a response see its pack-mates (the negative control) does not."""
     from tlt.rl.actor import pack_layout, response_log_probs, share_prompts
     from tlt.models import load_model
+    from tlt.models.decoder import PackedRows
     batch = _actor_batch(prompt_shared=True)
     packs = share_prompts(batch)
     assert sorted(map(sorted, packs)) == [[0, 1], [2, 3], [4, 5]]  # every group shares its prompt
@@ -308,12 +309,17 @@ def test_shared_prompt_packing_is_exact(tiny_dir):
     rows = [r for pk in packs for r in pk]
     sub = batch.rows(rows)
     layout = pack_layout(sub, [len(pk) for pk in packs])
-    assert layout.attn_mask is not None and layout.input_ids.shape[0] == 3
+    assert isinstance(layout.attn_mask, PackedRows) and layout.input_ids.shape[0] == 3
+    B, T = layout.input_ids.shape
     with torch.no_grad():
         good = response_log_probs(model, sub, layout=layout)[0]
-        layout.attn_mask = torch.ones_like(layout.attn_mask).tril()  # pack-mates visible: wrong
+        packed = layout.attn_mask
+        layout.attn_mask = packed.dense_mask(T, "cpu")
+        dense = response_log_probs(model, sub, layout=layout)[0]
+        layout.attn_mask = torch.ones(B, T, T, dtype=torch.bool).tril()  # pack-mates visible: wrong
         leaky = response_log_probs(model, sub, layout=layout)[0]
     torch.testing.assert_close(good, alone[0][rows], atol=1e-5, rtol=0)
+    torch.testing.assert_close(dense, good, atol=1e-5, rtol=0)
     assert not torch.allclose(leaky, good, atol=1e-3)
 
 

@@ -87,7 +87,7 @@ class ActorConfig:
     ppo_max_token_len: int = _f(4096, "token budget of one micro-batch (gradient accumulation); rows are sorted by "
                                           "length and split with the least padding", ge=1)
     share_prompt: bool = _f(True, "update: forward a group's prompt once for several of its responses (packed rows, "
-                                  "block mask; exact)")
+                                  "each response sees the prompt and itself; exact)")
     bf16_autocast: bool = _f(True, "bf16 autocast for the policy forward on GPU")
 
 

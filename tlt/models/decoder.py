@@ -33,6 +33,63 @@ class CacheView:
     tree_mask: torch.Tensor | None = None
 
 
+@dataclass
+class PackedRows:
+    """Training rows that each hold a shared prefix followed by segments that never see one another: a token of
+    segment k attends to its row's prefix and, causally, to segment k (tlt.rl.actor packs a group's responses
+    behind one copy of their prompt). Positions after a row's last segment are padding.
+
+    On CPU, attention runs per segment over the prefix's and its own keys instead of over the whole T x T square
+    under a mask, most of which a group's pack masks out (a 1004-token pack of 8 long-tail responses: 6x fewer
+    (query, key) pairs, forward + backward of a SmolLM2 layer's attention 83 -> 30 ms on 2 cores). Elsewhere it
+    becomes the equivalent dense mask (one masked kernel launch instead of many small ones)."""
+    prefix_lens: list[int]          # [B] prefix tokens per row
+    segment_lens: list[list[int]]   # per row, its segments' lengths in order after the prefix
+
+    def dense_mask(self, T: int, device) -> torch.Tensor:
+        """The same attention as a [B, T, T] bool mask (True = may attend); padding sees itself only."""
+        mask = torch.zeros(len(self.prefix_lens), T, T, dtype=torch.bool, device=device)
+        for b, (p, lens) in enumerate(zip(self.prefix_lens, self.segment_lens)):
+            mask[b, :p, :p] = torch.ones(p, p, dtype=torch.bool, device=device).tril()
+            s = p
+            for r in lens:
+                mask[b, s:s + r, :p] = True
+                mask[b, s:s + r, s:s + r] = torch.ones(r, r, dtype=torch.bool, device=device).tril()
+                s += r
+            mask[b, s:, s:] = torch.eye(T - s, dtype=torch.bool, device=device)
+        return mask
+
+    def segment_mask(self, p: int, r: int, device) -> torch.Tensor:
+        """[r, p + r] bool over keys (prefix, then the segment): query i sees the prefix and segment keys <= i."""
+        return torch.ones(r, p + r, dtype=torch.bool, device=device).tril(diagonal=p)
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: PackedRows) -> torch.Tensor:
+    """q [B, nh, T, D], k / v [B, nkv, T, D] -> [B, nh, T, D]: each segment's queries against its row's prefix keys
+    and its own (zeros at padding, which nothing reads)."""
+    B, nh, T, D = q.shape
+    gqa = k.shape[1] != nh
+    masks: dict[tuple[int, int], torch.Tensor] = {}
+    out = []
+    for b, (p, lens) in enumerate(zip(rows.prefix_lens, rows.segment_lens)):
+        qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
+        parts = [F.scaled_dot_product_attention(qb[:, :, :p], kb[:, :, :p], vb[:, :, :p], is_causal=True,
+                                                enable_gqa=gqa)]
+        s = p
+        for r in lens:
+            if (p, r) not in masks:
+                masks[p, r] = rows.segment_mask(p, r, q.device)
+            keys = torch.cat([kb[:, :, :p], kb[:, :, s:s + r]], 2)
+            values = torch.cat([vb[:, :, :p], vb[:, :, s:s + r]], 2)
+            parts.append(F.scaled_dot_product_attention(qb[:, :, s:s + r], keys, values, attn_mask=masks[p, r],
+                                                        enable_gqa=gqa))
+            s += r
+        if s < T:
+            parts.append(q.new_zeros(1, nh, T - s, D))
+        out.append(torch.cat(parts, 2))
+    return torch.cat(out, 0)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -100,7 +157,9 @@ class Attention(nn.Module):
             k = _rotate(self.k_norm(qkv[:, :, nh:nh + nkv]), cos, sin)
         v = qkv[:, :, nh + nkv:]
         gqa = nkv != nh
-        if cache is None:
+        if isinstance(mask, PackedRows):
+            out = packed_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)
+        elif cache is None:
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=gqa)
             out = out.transpose(1, 2)
@@ -226,11 +285,11 @@ class Decoder(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: CacheView | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                cache: CacheView | None = None, attn_mask: torch.Tensor | PackedRows | None = None) -> torch.Tensor:
         """input_ids, positions [B, T] -> last hidden state [B, T, H] (post final norm).
 
-        attn_mask (no cache only): [B, T, T] bool, True = may attend; None = causal. Used for padding and for
-        packed training samples (block-diagonal).
+        attn_mask (no cache only): [B, T, T] bool, True = may attend, or the PackedRows layout of prompt-sharing
+        training rows; None = causal.
         """
         B, T = input_ids.shape
         if positions is None:
@@ -240,6 +299,8 @@ class Decoder(nn.Module):
         plan = None
         if cache is not None:
             mask, plan = cache_mask(cache, T, input_ids.device)
+        elif isinstance(attn_mask, PackedRows):
+            mask = attn_mask if input_ids.device.type == "cpu" else attn_mask.dense_mask(T, input_ids.device)[:, None]
         else:
             mask = None if attn_mask is None else attn_mask[:, None]
         for layer in self.layers:

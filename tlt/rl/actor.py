@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tlt.config import ActorConfig
 from tlt.device import cpu_has_fast_bf16
-from tlt.models.decoder import Decoder
+from tlt.models.decoder import Decoder, PackedRows
 from tlt.rl.losses import compute_actor_loss, entropy_from_log_probs
 from tlt.rl.rollout import ActorBatch
 
@@ -65,8 +65,10 @@ def split_groups(group_ids: list[int], num_chunks: int) -> list[list[int]]:
     return [[i for grp in order[bounds[k]:bounds[k + 1]] for i in grp] for k in range(num_chunks)]
 
 
-# Relative cost of one (query, key) pair of attention per token of a forward+backward (measured on CPU: about
-# 0.3 ms a token and 0.14 us a pair per SmolLM2 layer). It decides how many packs a group's responses go into.
+# Relative cost of one (query, key) pair of attention per token of a forward+backward (measured on CPU under a
+# dense mask: about 0.3 ms a token and 0.14 us a pair per SmolLM2 layer). It decides how many packs a group's
+# responses go into. (Per-segment attention, tlt.models.decoder.PackedRows, computes fewer pairs on CPU; there,
+# packing every group into as few packs as fit the token budget measured no faster than this model's choice.)
 ATTN_PAIR_COST = 4.7e-4
 
 
@@ -77,7 +79,7 @@ class Layout:
     hidden states (and the gradient, summed over the responses) are those of one row per response."""
     input_ids: torch.Tensor                # [B, T] packed rows, right padded
     positions: torch.Tensor | None         # [B, T]; None = 0..T-1 (one response a row)
-    attn_mask: torch.Tensor | None         # [B, T, T] bool; None = causal
+    attn_mask: PackedRows | None           # which tokens see which (prompt, then responses); None = causal
     src: torch.Tensor                      # [n, R] flat index (row * T + col) of the state predicting each token
     tgt: torch.Tensor                      # [n, R] the response tokens
 
@@ -129,29 +131,23 @@ def pack_layout(batch: ActorBatch, sizes: list[int]) -> Layout:
     B = len(packs)
     ids = torch.zeros(B, T, dtype=torch.long, device=dev)
     pos = torch.zeros(B, T, dtype=torch.long, device=dev)
-    seg = torch.full((B, T), -2, dtype=torch.long, device=dev)  # -1 prompt, k response k, -2 padding
     src = torch.zeros(n, R, dtype=torch.long, device=dev)
     for b, pk in enumerate(packs):
         p = plens[pk[0]]
         ids[b, :p] = batch.input_ids[pk[0], :p]
         pos[b, :p] = torch.arange(p, device=dev)
-        seg[b, :p] = -1
         col = p
-        for k, r in enumerate(pk):
+        for r in pk:
             L = rlens[r]
             ids[b, col:col + L] = batch.input_ids[r, p:p + L]
             pos[b, col:col + L] = torch.arange(p, p + L, device=dev)
-            seg[b, col:col + L] = k
             # token j is predicted by the state before it: the prompt's last for j = 0, else the response's own
             s = torch.full((R,), p - 1, dtype=torch.long, device=dev)
             s[1:L] = torch.arange(col, col + L - 1, device=dev)
             src[r] = b * T + s
             col += L
-    q, k = seg[:, :, None], seg[:, None, :]
-    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None]
-    mask = causal & ((k == -1) | (q == k)) & (q != -2)
-    mask |= torch.eye(T, dtype=torch.bool, device=dev)[None]  # padding sees itself: no empty softmax rows
-    return Layout(ids, pos, mask, src, tgt)
+    rows = PackedRows([plens[pk[0]] for pk in packs], [[rlens[r] for r in pk] for pk in packs])
+    return Layout(ids, pos, rows, src, tgt)
 
 
 def response_log_probs(model: Decoder, batch: ActorBatch, with_entropy: bool = False, entropy_grad: bool = True,
