@@ -59,17 +59,12 @@ class PackedRows:
             mask[b, s:, s:] = torch.eye(T - s, dtype=torch.bool, device=device)
         return mask
 
-    def segment_mask(self, p: int, r: int, device) -> torch.Tensor:
-        """[r, p + r] bool over keys (prefix, then the segment): query i sees the prefix and segment keys <= i."""
-        return torch.ones(r, p + r, dtype=torch.bool, device=device).tril(diagonal=p)
-
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: PackedRows) -> torch.Tensor:
     """q [B, nh, T, D], k / v [B, nkv, T, D] -> [B, nh, T, D]: each segment's queries against its row's prefix keys
     and its own (zeros at padding, which nothing reads)."""
-    B, nh, T, D = q.shape
+    _, nh, T, D = q.shape
     gqa = k.shape[1] != nh
-    masks: dict[tuple[int, int], torch.Tensor] = {}
     out = []
     for b, (p, lens) in enumerate(zip(rows.prefix_lens, rows.segment_lens)):
         qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
@@ -77,11 +72,11 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Pa
                                                 enable_gqa=gqa)]
         s = p
         for r in lens:
-            if (p, r) not in masks:
-                masks[p, r] = rows.segment_mask(p, r, q.device)
             keys = torch.cat([kb[:, :, :p], kb[:, :, s:s + r]], 2)
             values = torch.cat([vb[:, :, :p], vb[:, :, s:s + r]], 2)
-            parts.append(F.scaled_dot_product_attention(qb[:, :, s:s + r], keys, values, attn_mask=masks[p, r],
+            # [r, p + r] over (prefix, segment) keys: query i sees the whole prefix and segment keys <= i
+            mask = torch.ones(r, p + r, dtype=torch.bool, device=q.device).tril(diagonal=p)
+            parts.append(F.scaled_dot_product_attention(qb[:, :, s:s + r], keys, values, attn_mask=mask,
                                                         enable_gqa=gqa))
             s += r
         if s < T:
@@ -157,7 +152,7 @@ class Attention(nn.Module):
             k = _rotate(self.k_norm(qkv[:, :, nh:nh + nkv]), cos, sin)
         v = qkv[:, :, nh + nkv:]
         gqa = nkv != nh
-        if isinstance(mask, PackedRows):
+        if cache is None and isinstance(mask, PackedRows):  # checked after `cache`: decode never pays for it
             out = packed_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)
         elif cache is None:
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
