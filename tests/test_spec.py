@@ -1,5 +1,5 @@
-"""Speculative decoding is lossless: greedy output identical with SD on/off, sampled law equal to the target's
-(with a negative control), logprobs and kept hidden states equal a full forward, drafter swaps mid-run."""
+"""Speculative decoding is lossless: greedy output identical with SD on/off, seeded sampled output identical too
+(drafter-invariant verification), sampled law equal to the target's (with negative controls), logprobs and kept hidden states equal a full forward, drafter swaps mid-run."""
 import pytest
 import torch
 
@@ -7,12 +7,12 @@ import tlt
 from tests.conftest import make_tiny_checkpoint
 from tests.spec_util import quick_drafter
 from tests.stats_util import chi_square_pvalue, exact_joint
-from tlt.models import load_model
+from tlt.models import kernels, load_model
 from tlt.spec.drafter import Drafter
 from tlt.spec.drafter_io import load_drafter, save_drafter
 from tlt.spec.spec_decoder import SpecDecoder
 from tlt.spec.config import SpecConfig
-from tlt.spec.verify import verify_deterministic
+from tlt.spec.verify import uniforms_from, verify_deterministic
 
 CHAIN = dict(method="eagle", bs_threshold=None, adaptive=False, num_speculative_tokens=4)
 TREE = dict(method="eagle", bs_threshold=None, adaptive=False, num_speculative_tokens=3, draft_topk=3,
@@ -67,6 +67,43 @@ def test_greedy_identical_other_families(tmp_path, family):
     for spec in (dict(TREE, model=str(drafter_dir)), NGRAM):
         llm = tlt.LLM(model, max_num_seqs=4, speculative_config=spec)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == ref
+
+
+def _flipped_draws(p, tokens, parents, valid, rng):
+    """Negative control for drafter invariance: exact in law (1 - u is uniform too), but not plain decoding's draw."""
+    draw = uniforms_from(rng)
+    return verify_deterministic(p, tokens, parents, valid, lambda rows: 1 - draw(rows))
+
+
+@pytest.mark.parametrize("spec", [CHAIN, TREE, NGRAM, ADAPTIVE], ids=["chain", "tree", "ngram", "adaptive"])
+def test_seeded_sampling_identical_with_sd_on_or_off(sharp_llama, spec):
+    """Drafter-invariant verification: at temperature > 0 a seeded request yields the very tokens and logprobs of
+    plain decoding, whatever the drafts. Bitwise equal logits from the verify and decode forwards are part of it
+    (the fused fp32 CPU path: csrc/cached_attention.c sums over visible keys in an order masked keys do not move)."""
+    if kernels.small_gemm_lib() is None:
+        pytest.skip("no fp32 small-row kernel here: the verify and decode forwards may round differently")
+    model, drafter_dir = sharp_llama
+    prompts = _prompts(128, n=5, seed=5)
+    params = tlt.SamplingParams(n=2, temperature=1.0, top_k=3, max_tokens=40, seed=11)
+    raw = dict(spec, model=drafter_dir) if spec["method"] == "eagle" else spec
+    cfg = SpecConfig.from_dict(raw)
+
+    def run(rule=None):
+        llm = tlt.LLM(model, max_num_seqs=3, speculative_config=None if rule is None else raw)
+        if rule is not None:
+            llm.spec = SpecDecoder(llm.engine, cfg, load_drafter(drafter_dir) if cfg.method == "eagle" else None,
+                                   verify_fn=rule)
+        outs = llm.generate(prompts, params)
+        return [(c.token_ids, c.logprobs) for o in outs for c in o.outputs], llm.stats()
+
+    with kernels.backend("fused"):
+        ref, _ = run()
+        same, stats = run(verify_deterministic)
+        flipped, _ = run(_flipped_draws)
+    assert stats["num_spec_steps"] > 0 and stats["spec_accept_length"] > 1.02, "too few drafts accepted to test"
+    assert [t for t, _ in same] == [t for t, _ in ref]
+    assert [lp for _, lp in same] == [lp for _, lp in ref]
+    assert [t for t, _ in flipped] != [t for t, _ in ref]  # the test can fail
 
 
 def _wrong_rule(p, tokens, parents, valid, rng):

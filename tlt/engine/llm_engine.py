@@ -3,8 +3,9 @@
     engine.add_request(prompt_ids, params) ... while engine.has_unfinished(): finished += engine.step()
 
 A speculative decoder (tlt.spec) can take over decode steps. It is exact: at temperature 0 it emits the very tokens
-plain decoding would; at temperature > 0 every token is an exact draw from the same distribution (which token a
-seed yields then depends on the drafts); logprobs are the target's in both cases. Its tests check all three.
+plain decoding would; at temperature > 0 every token is an exact draw from the same distribution, and a seeded
+request gets the very tokens plain decoding samples (drafter-invariant verification, where the forwards round
+alike: the fp32 CPU path); logprobs are the target's in all cases. Its tests check all of these.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Order as in vLLM/HF: temperature, then top-k, then top-p. Rows with temperature 0 become a one-hot at the
 argmax, so greedy decoding and greedy verification are the same rule as sampling (u never exceeds 1).
 Sampling is by inverse CDF from a uniform draw per row, so a request's seeded generator alone decides its
-tokens, whatever else is in the batch.
+tokens, whatever else is in the batch, and whether speculative decoding is on (tlt.spec.verify draws the same way).
 """
 from __future__ import annotations
 
@@ -47,10 +47,16 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw: probs [N, V], u [N] in [0, 1) -> token ids [N]. Never returns a zero-probability token."""
+    """Inverse-CDF draw in vocabulary order: probs [N, V] (unnormalised weights are fine), u [N] in [0, 1) -> token
+    ids [N], the i with cdf[i-1] <= u * total < cdf[i]. Never a zero-probability token. Plain decoding and
+    speculative verification both draw with this function, so a row's u yields the same token in either."""
     cdf = probs.cumsum(-1)
-    ids = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    return ids.clamp_(max=probs.shape[-1] - 1)
+    ids = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True)[:, 0]
+    over = ids >= probs.shape[-1]
+    if bool(over.any()):  # u * total rounded up to the total: take the last token with positive weight
+        last = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(-1)
+        ids = torch.where(over, last, ids)
+    return ids
 
 
 def target_logprobs(logits: torch.Tensor, temperature: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -14,13 +14,14 @@ Tree layout, per row b (a chain is a tree whose nodes have one child each):
                         vocabulary (scatter a reduced draft vocabulary back with d2t; zero elsewhere)
 Children of a node are tried in node-index order.
 
-Deterministic drafts (argmax / top-k children; no q needed): at the current node draw u ~ U(0,1) and walk the
-children with the running sum S of p(child); accept the first child with u < S and descend; if none is accepted,
-draw from p with the children's mass removed, renormalised; a node without children (full depth) draws the bonus
-token from p. This is inverse-CDF sampling of p with the children's tokens placed first, so each emitted token is
-an exact draw from p. The residual draw reuses u: given rejection, (u - S_all) / (1 - S_all) is again uniform.
-A repeated sibling token adds no mass (its twin already owns that slice of [0, 1)). One-hot (greedy) rows reduce
-to argmax matching, so greedy SD output equals plain greedy decoding.
+Deterministic drafts (argmax / top-k children; no q needed): at the current node draw u ~ U(0,1) and sample the
+target's token x from p by inverse CDF in vocabulary order, the very draw plain decoding makes
+(tlt.engine.sampler.sample_from); if a child holds x, accept it (the first such child) and descend, else emit x and
+stop; a node without children (full depth) emits x as the bonus token. Every emitted token is then a draw from p,
+and each takes exactly one u from the row's source, in order, as in plain decoding: a seeded request yields the
+same tokens with speculation on or off, whatever the drafter proposes (drafter-invariant sampling). The chance to
+accept is the children's target mass, as for any exact rule with deterministic drafts. One-hot (greedy) rows
+reduce to argmax matching.
 
 Stochastic drafts: Leviathan/Chen: accept child x with probability min(1, p(x)/q(x)) (tested as u * q(x) < p(x),
 so q(x) = 0 never divides), else continue with the residual norm(max(0, p - q)). With several children per node
@@ -38,7 +39,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from tlt.engine.sampler import target_logprobs
+from tlt.engine.sampler import sample_from, target_logprobs
 
 UniformFn = Callable[[torch.Tensor], torch.Tensor]  # row indices [R] long -> u [R] float in [0, 1)
 
@@ -91,17 +92,6 @@ def children_table(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return table[:, :N * C].view(B, N, C)
 
 
-def _inverse_cdf(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Index i with cdf[i-1] <= x < cdf[i] over unnormalised weights [R, V]; never a zero-weight index."""
-    cdf = weights.cumsum(-1)
-    idx = torch.searchsorted(cdf, x[:, None].to(cdf.dtype), right=True)[:, 0]
-    over = idx >= weights.shape[-1]
-    if bool(over.any()):  # x reached the total by rounding: take the last token with positive weight
-        last = weights.shape[-1] - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(-1)
-        idx = torch.where(over, last, idx)
-    return idx
-
-
 def _setup(p, tokens, parents, valid):
     B, N, _ = p.shape
     if tokens.shape != (B, N) or parents.shape != (B, N):
@@ -141,29 +131,12 @@ def verify_deterministic(p: torch.Tensor, tokens: torch.Tensor, parents: torch.T
     for step in range(N):
         if rows.numel() == 0:
             break
-        pn = p[rows, cur[rows]].float()                               # [R, V]
+        tok = sample_from(p[rows, cur[rows]], draw(rows).to(p.device))   # the target's own draw at this node
         ch = kids[rows, cur[rows]]                                    # [R, C]
-        has = ch >= 0
         ch_tok = tokens[rows[:, None], ch.clamp(min=0)]               # [R, C]
-        earlier_twin = ((ch_tok[:, :, None] == ch_tok[:, None, :]) & has[:, None, :]).tril(-1).any(-1)
-        mass = torch.where(has & ~earlier_twin, pn.gather(1, ch_tok), 0.0)
-        S = mass.cumsum(-1)                                           # running sum over children
-        u = draw(rows).to(p.device) * pn.sum(-1)                      # scale by the total: p need not sum to 1 exactly
-        hit = u[:, None] < S
-        accepted = hit[:, -1]
-        slot = hit.to(torch.int8).argmax(-1)                          # first child with u < S
-        child = ch.gather(1, slot[:, None])[:, 0]
-        tok = ch_tok.gather(1, slot[:, None])[:, 0]
-        rej = (~accepted).nonzero()[:, 0]
-        if rej.numel():  # residual: p with every child's mass removed (full-vocab work only for these rows)
-            residual = pn if rej.numel() == len(rows) else pn[rej]  # pn is a private copy: edit in place
-            r_has, r_tok = has[rej], ch_tok[rej]
-            # Padding slots point at the first child's token (zeroed anyway); in a leaf row every slot is padding
-            # and writes the token's own value back, so one conflict-free scatter serves all rows.
-            idx = torch.where(r_has, r_tok, r_tok[:, :1])
-            src = torch.where(r_has.any(-1, keepdim=True), 0.0, residual.gather(1, idx))
-            residual.scatter_(1, idx, src)
-            tok[rej] = _inverse_cdf(residual, (u[rej] - S[rej, -1]).clamp(min=0))
+        hit = (ch >= 0) & (ch_tok == tok[:, None])
+        accepted = hit.any(-1)
+        child = ch.gather(1, hit.to(torch.int8).argmax(-1)[:, None])[:, 0]  # first child holding the token
         out_tok[rows, step] = tok
         out_node[rows, step] = cur[rows]
         n_out[rows] = step + 1
@@ -208,7 +181,7 @@ def verify_stochastic(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor, pa
         final = torch.full_like(node, -1)
         if bool(undecided.any()):
             r = undecided.nonzero()[:, 0]
-            final[r] = _inverse_cdf(target[r], draw(rows[r]).to(p.device) * target[r].sum(-1))
+            final[r] = sample_from(target[r], draw(rows[r]).to(p.device))
         accepted_tok = tokens[rows, child.clamp(min=0)]
         out_tok[rows, step] = torch.where(decided, accepted_tok, final)
         out_node[rows, step] = node
