@@ -19,6 +19,8 @@ from tlt.models.kernels import (LayerWeights, Linear, attention_bias, decode_lay
                                 small_query_attention)
 
 SMALL_QUERY = 16  # new tokens per row up to which cached attention uses small_query_attention
+SMALL_QUERY_CPU = 32  # on CPU: covers the CPU arm table's largest verify tree (17 tokens), so every SD step runs the
+                      # kernels plain decoding runs (bitwise equal logits: drafter-invariant sampling)
 
 
 @dataclass
@@ -236,7 +238,7 @@ class CachePlan:
     rows: torch.Tensor             # [B, T] cache slots of the new tokens (slot_start included)
     cols: torch.Tensor             # [B, T] cache positions of the new tokens
     length: int                    # keys to attend over: max cached + S + T
-    bias: torch.Tensor | None      # [B, 1, 1, T, capacity] 0 / -inf, when T <= SMALL_QUERY; else None (SDPA + mask)
+    bias: torch.Tensor | None      # [B, 1, 1, T, capacity] 0 / -inf, when T <= SMALL_QUERY(_CPU); else None (SDPA)
     n_keys: torch.Tensor           # [B] keys row b attends over at most: cached + S + T
 
 
@@ -261,7 +263,8 @@ def cache_mask(cache: CacheView, T: int, device) -> tuple[torch.Tensor, CachePla
     # Place the speculative block at each row's own offset (rows have different cache lengths).
     mask.scatter_(2, tree_cols[:, None, :].expand(B, T, S + T), tree.expand(B, T, S + T))
     mask = mask[:, None]
-    bias = attention_bias(mask, cache.k[0].shape[2], cache.k[0].dtype) if T <= SMALL_QUERY else None
+    small = SMALL_QUERY_CPU if torch.device(device).type == "cpu" else SMALL_QUERY
+    bias = attention_bias(mask, cache.k[0].shape[2], cache.k[0].dtype) if T <= small else None
     return mask, CachePlan(rows, cols, L, bias, lens + S + T)
 
 

@@ -49,7 +49,10 @@ from torch import nn
 from tlt.cache import build_atomically, cache_root
 
 BACKENDS = ("auto", "torch", "onednn", "small_gemm", "fused")
-SMALL_GEMM_MAX_ROWS = 128  # measured: still 1.15x MKL at 128 rows, 2.3x at 4 (AVX2 EPYC, one core)
+# measured: 2.3x MKL at 4 rows (one core), 1.1-1.3x at 128-512 rows, 0.85x at 1024 (AVX2 EPYC, two cores). Its rows
+# are independent (bit for bit the same in any batch), which drafter-invariant sampling leans on: a verify forward
+# (batch x verify tokens rows) then rounds as the plain decode forward does.
+SMALL_GEMM_MAX_ROWS = 512
 _CSRC = Path(__file__).parent / "csrc"
 _SRCS = [_CSRC / name for name in ("small_gemm.c", "cached_attention.c", "decode_layer.c", "simd.h")]
 # no implicit FMA contraction: the fused layer's rotary and residual sums round like torch's separate ops

@@ -44,23 +44,33 @@ static void one_head(const float* q, int64_t q_st, int64_t q_sh, const float* k,
                 const float* kj = k + (int64_t)j * D;
                 __m256 a = _mm256_setzero_ps();
                 for (int c = 0; c < nv; c++) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), a);
-                float x = hsum(a) * scale + bt[j];
+                float x = hsum_pairwise(a) * scale + bt[j];  // the four-key block's reduction order
                 s[j] = x;
                 m = x > m ? x : m;
             }
+            // Sum of exps in 8 lanes, the key of visible rank r in lane r % 8 (masked keys skipped): the same sum,
+            // bit for bit, whether masked speculative keys lie between (verification) or not (plain decoding).
             __m256 mv = _mm256_set1_ps(m), sum8 = _mm256_setzero_ps();
+            const __m256 ninf = _mm256_set1_ps(-INFINITY);
             for (j = 0; j + 8 <= n; j += 8) {
+                if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(bt + j), ninf, _CMP_EQ_OQ))) break;
                 __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
                 _mm256_storeu_ps(s + j, e);
                 sum8 = _mm256_add_ps(sum8, e);
             }
-            float sum = hsum(sum8);
-            if (j < n) {  // the tail through a padded vector
+            float lanes[8];
+            _mm256_storeu_ps(lanes, sum8);
+            for (int r = j; j < n; j += 8) {  // the rest through padded vectors: masked keys and the tail
                 float tmp[8];
-                for (int i = 0; i < 8; i++) tmp[i] = j + i < n ? s[j + i] - m : -INFINITY;
+                int w = n - j < 8 ? n - j : 8;
+                for (int i = 0; i < 8; i++) tmp[i] = i < w ? s[j + i] - m : -INFINITY;
                 _mm256_storeu_ps(tmp, exp8(_mm256_loadu_ps(tmp)));
-                for (int i = 0; j + i < n; i++) { s[j + i] = tmp[i]; sum += tmp[i]; }
+                for (int i = 0; i < w; i++) {
+                    s[j + i] = tmp[i];
+                    if (bt[j + i] != -INFINITY) lanes[r++ & 7] += tmp[i];
+                }
             }
+            float sum = hsum(_mm256_loadu_ps(lanes));
             __m256 acc[32];
             for (int c = 0; c < nv; c++) acc[c] = _mm256_setzero_ps();
             for (j = 0; j < n; j++) {

@@ -8,6 +8,13 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)): the order cached_attention's four-key block sums a dot in.
+static inline float hsum_pairwise(__m256 v) {
+    __m256 h = _mm256_hadd_ps(v, v);
+    h = _mm256_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
 // exp(x) for 8 lanes: Cephes' range reduction and degree-5 polynomial (about 1 ulp); -inf and x < -87.3 give 0.
 static inline __m256 exp8(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.3365447f), hi = _mm256_set1_ps(88.3762626f);
