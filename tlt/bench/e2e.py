@@ -16,9 +16,12 @@ order rotated every step (A B C, B C A, ...), so drift of a shared machine hits 
 process is blocked on a pipe and uses no CPU. Timing is the trainer's own: timing_s/gen (rollout) and
 timing_s/step without checkpoint saving and validation (timing_s/save, timing_s/testing).
 
-Learning must not change (SD is exact, so only the random paths differ): per-response rewards and lengths, pooled
-over steps, are compared between off and each SD mode (Mann-Whitney U and Kolmogorov-Smirnov, scipy), and the
-per-step mean-reward difference gets a bootstrap 95% CI (responses resampled within each step). Curves go to
+Learning must not change. Seeded rollouts with drafter-invariant verification sample SD off's very responses, so
+`same_resp` (the fraction of responses equal to off's, token for token) is 1.0 where the forwards round alike,
+and then the modes run one and the same training run at different speeds. Where they can part (bf16, GPU),
+per-response rewards and lengths, pooled over steps, are compared between off and each SD mode (Mann-Whitney U and
+Kolmogorov-Smirnov, scipy), and the per-step mean-reward difference gets a bootstrap 95% CI (responses resampled
+within each step). Curves go to
 <out>/e2e_curves.png. Prints a table, then one JSON line.
 """
 from __future__ import annotations
@@ -100,17 +103,20 @@ def mode_config(cfg, mode: str, method: str, drafter: str | None, out: Path):
 
 
 class RecordingHook:
-    """Wraps the trainer's drafter hook: keeps the step's per-response rewards and lengths, then delegates."""
+    """Wraps the trainer's drafter hook: keeps the step's per-response rewards, lengths and a hash of each response's
+    tokens (to compare the modes' samples one by one), then delegates."""
 
     def __init__(self, inner):
         self.inner = inner
         self.wants_hidden_states = inner.wants_hidden_states
         self.scores: list[float] = []
         self.lengths: list[int] = []
+        self.responses: list[int] = []
 
     def after_rollout(self, step, rollout, outputs):
         self.scores = [0.0 if s is None else float(s) for s in rollout.scores]
         self.lengths = list(rollout.response_lengths)
+        self.responses = [hash(tuple(c.token_ids)) for o in outputs for c in o.outputs]
         return self.inner.after_rollout(step, rollout, outputs)
 
     def __getattr__(self, name):  # state_dict, load_state_dict, ...: the wrapped hook's
@@ -135,7 +141,7 @@ class TurnLogger:
     def log(self, step, metrics):
         self.inner.log(step, metrics)
         self.conn.send(("step", {"step": step, "metrics": dict(metrics), "scores": self.hook.scores,
-                                 "lengths": self.hook.lengths}))
+                                 "lengths": self.hook.lengths, "responses": self.hook.responses}))
         _release_free_memory()  # the waiting modes should not sit on the update's freed peak
         self.conn.recv()  # blocked (no CPU) until the parent says go
 
@@ -232,12 +238,16 @@ def _same_law_p(a: list[float], b: list[float]) -> tuple[float, float]:
 
 
 def compare_learning(off: list[dict], other: list[dict]) -> dict:
-    """Off vs an SD mode: are per-response rewards and lengths drawn from the same law?
+    """Off vs an SD mode: the same responses, and rewards and lengths drawn from the same law?
 
-    Step 1 samples from identical weights in every mode, so there a difference can only come from the sampler:
-    that is the exactness check (`step1_*`). Later steps follow policies updated on different (equally likely)
-    samples, which drift apart by chance, more so with a large learning rate; the pooled tests mix the two."""
-    out = {}
+    With drafter-invariant verification a mode samples SD off's very responses (seeds are per step and response),
+    so `same_responses` (the fraction equal token for token, pooled over steps) is 1.0 and the runs are one and the
+    same training run, where the verify and decode forwards round alike (the fp32 CPU path). Elsewhere a response
+    can part from off's at a rounding-sized CDF boundary, and from then on the policies drift apart by chance. The
+    law tests cover that case: step 1 samples from identical weights in every mode, so there a difference can
+    only come from the sampler (`step1_*`); the pooled tests mix in the drift of later steps."""
+    pairs = [(a, b) for r, o in zip(off, other) for a, b in zip(r.get("responses", []), o.get("responses", []))]
+    out = {"same_responses": sum(a == b for a, b in pairs) / len(pairs) if pairs else None}
     for key in ("scores", "lengths"):
         out[f"{key}_mwu_p"], out[f"{key}_ks_p"] = _same_law_p([x for r in off for x in r[key]],
                                                               [x for r in other for x in r[key]])
@@ -253,7 +263,7 @@ def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
     for mode, recs in records.items():
         gen = [r["metrics"]["timing_s/gen"] for r in recs]
         step = [step_seconds(r["metrics"]) for r in recs]
-        gen_tok_s = [sum(r["lengths"]) / g for r, g in zip(recs, gen)]  # lengths differ by chance between modes
+        gen_tok_s = [sum(r["lengths"]) / g for r, g in zip(recs, gen)]
         m = {"gen_s": statistics.median(gen), "gen_spread": spread(gen), "gen_tok_s": statistics.median(gen_tok_s),
              "step_s": statistics.median(step), "step_spread": spread(step),
              "reward": float(np.mean([x for r in recs for x in r["scores"]])),
@@ -353,22 +363,22 @@ def main(argv: list[str] | None = None) -> int:
           f"temperature={r.temperature} threads={a.threads} (one process per mode, interleaved, order rotated)")
     print(f"SD modes: method={method} ({note}); adaptive bs_threshold={s.bs_threshold}")
     print("times: median over steps (min-max); speedup = off / mode on the same step; gen_tok_s = response tokens / "
-          "rollout s (SD samples other paths, so lengths differ by chance between modes)")
+          "rollout s")
     rows = [{"mode": m, **v} for m, v in res.items()]
     print_table(rows, ["mode", "gen_s", "gen_spread", "gen_tok_s", "step_s", "step_spread", "gen_speedup", "gen_speedup_spread",
                        "step_speedup", "step_speedup_spread", "accept_len", "sd_on"])
     if "off" in res and len(res) > 1:
-        print("\nlearning vs off (per-response; p > 0.05 = no detectable difference). step1_*: the first step, where "
-              "every mode samples from the same weights (the exactness check); the rest pools all steps, whose "
-              "policies drift apart by chance once updates differ:")
-        lrows = [{"mode": m, "reward": v["reward"], "resp_len": v["resp_len"],
+        print("\nlearning vs off. same_resp: fraction of responses equal to off's, token for token (1.0: the same "
+              "training run). Per-response law tests (p > 0.05 = no detectable difference); step1_*: the first step, "
+              "where every mode samples from the same weights; the rest pools all steps:")
+        lrows = [{"mode": m, "same_resp": v.get("same_responses"), "reward": v["reward"], "resp_len": v["resp_len"],
                   "step1_reward_p": v.get("step1_scores_mwu_p"), "step1_len_ks_p": v.get("step1_lengths_ks_p"),
                   "reward_mwu_p": v.get("scores_mwu_p"), "reward_ks_p": v.get("scores_ks_p"),
                   "len_mwu_p": v.get("lengths_mwu_p"), "len_ks_p": v.get("lengths_ks_p"),
                   "d_reward/step": v.get("reward_diff"),
                   "95%CI": "[{:.3f}, {:.3f}]".format(*v["reward_diff_ci"]) if "reward_diff_ci" in v else None}
                  for m, v in res.items()]
-        print_table(lrows, ["mode", "reward", "resp_len", "step1_reward_p", "step1_len_ks_p", "reward_mwu_p",
+        print_table(lrows, ["mode", "same_resp", "reward", "resp_len", "step1_reward_p", "step1_len_ks_p", "reward_mwu_p",
                             "reward_ks_p", "len_mwu_p", "len_ks_p", "d_reward/step", "95%CI"])
     best = max((v.get("step_speedup") or 0.0 for v in res.values()), default=0.0)
     print(f"\ngoal: step time >= {STEP_SPEEDUP_GOAL}x faster than SD off; best median here {best:.2f}x "

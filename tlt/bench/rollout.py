@@ -5,16 +5,19 @@
 
 One rollout = `--prompts` default-task chat prompts, `--n` samples each (GRPO groups), temperature 1, stopping at
 EOS or --max-tokens: the batch starts full and shrinks as responses finish, so its tail runs at small batch.
-Modes, all with the same seeds. Exact SD samples the same law but not the same paths, so response lengths (the
-work) differ between modes by chance: compare tokens/s (tok_x = tok_s / tok_s of off), not only wall time.
+Modes, all with the same seeds: the drafter-invariant verification makes SD sample the very tokens plain decoding
+samples, so every mode does the same work (`same_as_off`: the fraction of responses equal to off's, token for
+token; a float rounding difference between the verify and decode forwards can, rarely, move a draw across a token
+boundary). tok_x = tok_s / tok_s of off.
     off       plain decoding
     always    EAGLE, one fixed chain of --depth at every batch size (bs_threshold=None)
     adaptive  EAGLE, SD gated on the running batch (--bs-threshold) with the bandit over the arm table
     ngram     n-gram drafts only, at every batch size
 Drafter: --drafter, else the model's cached warm-up drafter; without one the EAGLE modes are skipped (said so).
-Repeats run the modes interleaved (A B C D A B C D ...). Reports wall time, tokens/s, accept length overall and
-per batch-size bucket, SD-on fraction and decode time split into bulk (SD gated off) and tail. Prints a table,
-then one JSON line.
+Repeats run the modes interleaved (A B C D A B C D ...), each repeat with new seeds (the same in every mode);
+speedup is the median over repeats of off's wall time over the mode's. Reports wall time, tokens/s, accept length
+overall and per batch-size bucket, SD-on fraction and decode time split into bulk (SD gated off) and tail. Prints
+a table, then one JSON line.
 """
 from __future__ import annotations
 
@@ -52,8 +55,9 @@ def rollout_once(llm, prompts: list[list[int]], n: int, max_tokens: int, seed: i
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, group_ids=list(range(len(prompts))))
     wall = time.perf_counter() - t0
     after = llm.stats()
-    lengths = [len(c.token_ids) for o in outs for c in o.outputs]
-    return {"wall_s": wall, "tokens": sum(lengths), "lengths": lengths,
+    ids = [tuple(c.token_ids) for o in outs for c in o.outputs]
+    lengths = list(map(len, ids))
+    return {"wall_s": wall, "tokens": sum(lengths), "lengths": lengths, "ids": ids,
             "decode_steps": after["num_decode_steps"] - before["num_decode_steps"], "stats": after}
 
 
@@ -61,9 +65,9 @@ def summarize(runs: list[dict]) -> dict:
     walls = [r["wall_s"] for r in runs]
     last = runs[-1]
     st, lengths = last["stats"], sorted(last["lengths"])
-    wall = statistics.median(walls)
-    return {"wall_s": wall, "spread": f"{min(walls):.2f}-{max(walls):.2f}", "tokens": last["tokens"],
-            "tok_s": last["tokens"] / wall, "decode_steps": last["decode_steps"],
+    return {"wall_s": statistics.median(walls), "spread": f"{min(walls):.2f}-{max(walls):.2f}",
+            "tokens": statistics.median(r["tokens"] for r in runs),
+            "tok_s": sum(r["tokens"] for r in runs) / sum(walls), "decode_steps": last["decode_steps"],
             "len_p50": lengths[len(lengths) // 2], "len_max": lengths[-1],
             "accept_len": st.get("spec_accept_length"), "sd_on": st.get("spec_on_fraction"),
             "bulk_s": st.get("decode_time_bulk_s"), "tail_s": st.get("decode_time_tail_s"),
@@ -111,19 +115,23 @@ def main(argv: list[str] | None = None) -> int:
     llms = {m: tlt.LLM(model, tokenizer=tok, max_num_seqs=a.prompts * a.n, max_model_len=max_len, seed=a.seed,
                        speculative_config=c) for m, c in configs.items()}
     runs: dict[str, list[dict]] = {m: [] for m in configs}
-    for _ in range(a.repeats):
-        for m, llm in llms.items():
-            runs[m].append(rollout_once(llm, prompts, a.n, a.max_tokens, a.seed))
+    for rep in range(a.repeats):  # a new seed each repeat (the same for every mode): the n-gram drafter's history
+        for m, llm in llms.items():  # of earlier responses must not hold this very rollout
+            runs[m].append(rollout_once(llm, prompts, a.n, a.max_tokens, a.seed + 1000 * rep))
     res = {m: summarize(r) for m, r in runs.items()}
-    base = res.get("off", {}).get("wall_s")
     base_tok_s = res.get("off", {}).get("tok_s")
-    for v in res.values():
-        v["speedup"] = base / v["wall_s"] if base else None
+    for m, v in res.items():
+        if "off" in runs:  # seeded requests: every mode should sample SD off's very tokens (drafter-invariant verify)
+            pairs = [(x, y) for r, o in zip(runs[m], runs["off"]) for x, y in zip(r["ids"], o["ids"])]
+            v["same_as_off"] = sum(x == y for x, y in pairs) / len(pairs)
+            v["speedup"] = statistics.median(o["wall_s"] / r["wall_s"] for r, o in zip(runs[m], runs["off"]))
         v["tok_x"] = v["tok_s"] / base_tok_s if base_tok_s else None
     print(f"model={model_dir} device={device} dtype={a.dtype} prompts={a.prompts} n={a.n} "
-          f"max_tokens={a.max_tokens} temperature=1.0 threads={a.threads} repeats={a.repeats} (median wall) | {note}")
+          f"max_tokens={a.max_tokens} temperature=1.0 threads={a.threads} repeats={a.repeats} (median wall, new "
+          f"seeds each repeat; speedup: median paired ratio; tokens: median) | {note}")
     print_table([{"mode": m, **v} for m, v in res.items()],
-                ["mode", "wall_s", "spread", "speedup", "tokens", "tok_s", "tok_x", "decode_steps", "len_p50", "len_max",
+                ["mode", "wall_s", "spread", "speedup", "tokens", "same_as_off", "tok_s", "tok_x", "decode_steps", "len_p50",
+                 "len_max",
                  "accept_len", "sd_on", "bulk_s", "tail_s"])
     buckets = sorted({b for v in res.values() for b in (v["accept_by_bucket"] or {})}, key=str)
     if buckets:
