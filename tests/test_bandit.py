@@ -159,3 +159,19 @@ def test_exploration_decays_and_restarts_on_forget():
     assert early > 2 * late and after_forget > 2 * late and late < 0.03
     flat = shares(window=10**6)
     assert all(0.06 < x < 0.14 for x in flat)  # control: epsilon 0.2, two live arms -> ~0.1 throughout
+
+
+def test_arms_compared_at_their_own_batch_size():
+    """In bucket 2-4 a plain step costs the same 1.0 s at bs 2 and 4 (memory-bound), and the n-gram arm is truly
+    slower (1.3 s a step for 1.1 tokens a row: 0.85x). Off happened to run at bs 2, n-gram at bs 4: by raw tokens/s
+    n-gram would look 1.7x faster (4.4 / 1.3 against 2 / 1); measured against plain decoding at its own batch
+    size it is 0.85x, and off stays the choice."""
+    OFF, NG = Arm("off", "off"), Arm("ngram4", "ngram", depth=4, num_draft_tokens=4)
+    bandit = StrategyBandit([4, math.inf], [[OFF, NG], [OFF]], epsilon=0.0)
+    for _ in range(20):
+        bandit.update(2, OFF, 2.0, 1.0)
+        bandit.update(4, NG, 4.4, 1.3)
+    assert (4.4 / 1.3) / (2.0 / 1.0) > 1.5  # the confound the raw rate would fall for
+    assert bandit.estimate(0, "off") == pytest.approx(1.0)
+    assert bandit.estimate(0, "ngram4") == pytest.approx(1.1 / 1.3)
+    assert bandit.best(3) is OFF

@@ -5,10 +5,16 @@ Every bucket holds an "off" arm (plain decoding) so the policy can learn that SD
 In a bucket: untried arms first (in table order); then with probability epsilon a random arm, else the best arm.
 
 Where this departs from the paper's BEG-MAB (median per-step reward, uniform exploration), and why:
-- Estimate = throughput over the arm's last `window` steps, sum(tokens) / sum(seconds), not the median of
-  per-step tokens/s. The median ignores the rare expensive steps (a drafter catch-up after a stretch of plain
-  decoding, a deep tree's spike) and the rare long accepts, so it ranks arms by their typical step rather than by
-  the tokens per second they actually deliver; the ratio of sums is what a rollout's wall time depends on.
+- Estimate = throughput over the arm's last `window` steps as a ratio of sums, not the median of per-step
+  rewards. The median ignores the rare expensive steps (a drafter catch-up after a stretch of plain decoding, a
+  deep tree's spike) and the rare long accepts, so it ranks arms by their typical step rather than by the tokens
+  per second they actually deliver; the ratio of sums is what a rollout's wall time depends on.
+- Throughput is measured against plain decoding at the step's own batch size: a step at batch size bs that
+  emits `tokens` in `seconds` counts tokens / bs * t_off(bs) "plain seconds", t_off(bs) being the running mean of
+  the "off" arm's step time at that batch size (the nearest one measured in the bucket until then). The estimate
+  sum(plain seconds) / sum(seconds) is then a speedup over plain decoding (off ~ 1.0). Raw tokens/s would compare
+  arms measured at different batch sizes of one bucket: at bs 2-4 a decode step costs about the same at either
+  end, so whichever arm happened to run at bs 4 looked twice as fast as one that ran at bs 2.
 - "off" is kept unless an SD arm beats it by `min_gain` (a tie costs SD's variance for nothing).
 - Exploration skips arms that are confidently dominated (>= `min_samples` steps and below the best by more than
   `margin`) except with probability `recheck`, so once SD is known not to pay, exploring costs ~epsilon * recheck
@@ -40,11 +46,6 @@ class Arm:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"arm {self.name!r}: method {self.method!r} is not one of {METHODS}")
-
-
-def reward(accept_len: float, batch_size: int, step_time: float) -> float:
-    """Tokens per second of one decode step: mean accepted tokens per row incl. the bonus (1 for 'off')."""
-    return accept_len * batch_size / max(step_time, 1e-9)
 
 
 def _chain(d: int) -> Arm:
@@ -104,6 +105,7 @@ class StrategyBandit:
         self.steps = [{a.name: deque(maxlen=window) for a in bucket} for bucket in self.arms]
         self.totals = [{a.name: [0.0, 0.0] for a in bucket} for bucket in self.arms]
         self.untried = [[a.name for a in bucket] for bucket in self.arms]  # in table order
+        self.off_step_s: list[dict[int, float]] = [{} for _ in self.arms]  # per bucket: bs -> mean "off" step s
         self.counts = [Counter() for _ in self.arms]   # choices per bucket and arm
         self.since_forget = [0 for _ in self.arms]     # choices per bucket since the last forget (decays epsilon)
 
@@ -129,6 +131,10 @@ class StrategyBandit:
     def update(self, batch_size: int, arm: Arm, tokens: float, seconds: float) -> None:
         """Record one step of `arm` run at `batch_size` (the size it was selected for): tokens emitted, seconds."""
         b = self.bucket(batch_size)
+        if arm.method == "off":
+            known = self.off_step_s[b]
+            known[batch_size] = seconds if batch_size not in known else 0.8 * known[batch_size] + 0.2 * seconds
+        tokens = float(tokens) / batch_size * self._plain_step_s(b, batch_size)  # in plain decoding's seconds
         steps, total = self.steps[b][arm.name], self.totals[b][arm.name]
         if len(steps) == steps.maxlen:  # the oldest step leaves the window
             old_tokens, old_seconds = steps[0]
@@ -149,8 +155,16 @@ class StrategyBandit:
                     if a.name not in self.untried[b]:
                         self.untried[b].append(a.name)
 
+    def _plain_step_s(self, b: int, batch_size: int) -> float:
+        """Mean step time of "off" at this batch size, else at the nearest measured one; 1.0 before any."""
+        known = self.off_step_s[b]
+        if not known:
+            return 1.0
+        return known.get(batch_size) or known[min(known, key=lambda k: (abs(k - batch_size), k))]
+
     def estimate(self, b: int, name: str) -> float:
-        """Tokens/s of the arm over its window: sum(tokens) / sum(seconds); -inf before its first step."""
+        """Speed of the arm over its window relative to plain decoding at the same batch sizes: plain decoding's
+        seconds for the tokens it emitted / its seconds (see the module doc); -inf before its first step."""
         if not self.steps[b][name]:
             return -math.inf
         tokens, seconds = self.totals[b][name]
@@ -178,7 +192,7 @@ class StrategyBandit:
         return f"bs>={lo}" if hi == math.inf else (f"bs{lo}" if lo == hi else f"bs{lo}-{int(hi)}")
 
     def stats(self) -> dict[str, dict[str, dict[str, float]]]:
-        """{bucket: {arm: {"count", "tokens_per_s"}}} for logging."""
+        """{bucket: {arm: {"count", "speed_vs_off"}}} for logging."""
         return {self.bucket_name(b): {a.name: {"count": self.counts[b][a.name],
-                                               "tokens_per_s": self.estimate(b, a.name)} for a in arms}
+                                               "speed_vs_off": self.estimate(b, a.name)} for a in arms}
                 for b, arms in enumerate(self.arms)}
