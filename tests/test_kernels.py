@@ -46,7 +46,7 @@ def test_packed_bf16_linear_is_bit_identical_and_used():
 
 
 @needs_small_gemm
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 17, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 17, 128, 300])
 def test_small_gemm_matches_float64(rows):
     """Row counts around the kernel's 6-row passes, N not a multiple of its 16-column panels, bias or none."""
     g = torch.Generator().manual_seed(rows)
@@ -64,6 +64,26 @@ def test_small_gemm_matches_float64(rows):
         # leading dimensions are flattened into rows and restored
         x3 = x.view(rows, 1, 72).expand(rows, 2, 72)
         torch.testing.assert_close(linear(x3, w, b), F.linear(x3, w, b), atol=1e-4, rtol=1e-5)
+
+
+@needs_small_gemm
+def test_small_gemm_rows_are_batch_independent():
+    """Each output row is bit for bit the same whatever else is in the batch (1 to SMALL_GEMM_MAX_ROWS rows, one or
+    two threads): what makes a verify forward (batch x k+1 rows) round like the one-row decode forward."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
+    x = torch.randn(kernels.SMALL_GEMM_MAX_ROWS, 96, generator=g)
+    with kernels.backend("small_gemm"), torch.inference_mode():
+        full = linear(x, w, b)
+        for rows in (1, 5, 6, 7, 131):
+            assert torch.equal(linear(x[:rows], w, b), full[:rows])
+            assert torch.equal(linear(x[-rows:], w, b), full[-rows:])
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(linear(x[:9], w, b), full[:9])
+        finally:
+            torch.set_num_threads(threads)
 
 
 @needs_small_gemm
