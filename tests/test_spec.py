@@ -1,5 +1,6 @@
 """Speculative decoding is lossless: greedy output identical with SD on/off, seeded sampled output identical too
-(drafter-invariant verification), sampled law equal to the target's (with negative controls), logprobs and kept hidden states equal a full forward, drafter swaps mid-run."""
+(drafter-invariant verification), sampled law equal to the target's (with negative controls), logprobs and kept
+hidden states equal a full forward, drafter swaps mid-run."""
 import pytest
 import torch
 

@@ -21,8 +21,7 @@ Learning must not change. Seeded rollouts with drafter-invariant verification sa
 and then the modes run one and the same training run at different speeds. Where they can part (bf16, GPU),
 per-response rewards and lengths, pooled over steps, are compared between off and each SD mode (Mann-Whitney U and
 Kolmogorov-Smirnov, scipy), and the per-step mean-reward difference gets a bootstrap 95% CI (responses resampled
-within each step). Curves go to
-<out>/e2e_curves.png. Prints a table, then one JSON line.
+within each step). Curves go to <out>/e2e_curves.png. Prints a table, then one JSON line.
 """
 from __future__ import annotations
 
@@ -378,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                   "d_reward/step": v.get("reward_diff"),
                   "95%CI": "[{:.3f}, {:.3f}]".format(*v["reward_diff_ci"]) if "reward_diff_ci" in v else None}
                  for m, v in res.items()]
-        print_table(lrows, ["mode", "same_resp", "reward", "resp_len", "step1_reward_p", "step1_len_ks_p", "reward_mwu_p",
-                            "reward_ks_p", "len_mwu_p", "len_ks_p", "d_reward/step", "95%CI"])
+        print_table(lrows, ["mode", "same_resp", "reward", "resp_len", "step1_reward_p", "step1_len_ks_p",
+                            "reward_mwu_p", "reward_ks_p", "len_mwu_p", "len_ks_p", "d_reward/step", "95%CI"])
     best = max((v.get("step_speedup") or 0.0 for v in res.values()), default=0.0)
     print(f"\ngoal: step time >= {STEP_SPEEDUP_GOAL}x faster than SD off; best median here {best:.2f}x "
           f"({'met' if best >= STEP_SPEEDUP_GOAL else 'not met'}); curves: {png}")

@@ -130,9 +130,8 @@ def main(argv: list[str] | None = None) -> int:
           f"max_tokens={a.max_tokens} temperature=1.0 threads={a.threads} repeats={a.repeats} (median wall, new "
           f"seeds each repeat; speedup: median paired ratio; tokens: median) | {note}")
     print_table([{"mode": m, **v} for m, v in res.items()],
-                ["mode", "wall_s", "spread", "speedup", "tokens", "same_as_off", "tok_s", "tok_x", "decode_steps", "len_p50",
-                 "len_max",
-                 "accept_len", "sd_on", "bulk_s", "tail_s"])
+                ["mode", "wall_s", "spread", "speedup", "tokens", "same_as_off", "tok_s", "tok_x", "decode_steps",
+                 "len_p50", "len_max", "accept_len", "sd_on", "bulk_s", "tail_s"])
     buckets = sorted({b for v in res.values() for b in (v["accept_by_bucket"] or {})}, key=str)
     if buckets:
         print("\naccept length per batch-size bucket:")

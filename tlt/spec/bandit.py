@@ -158,9 +158,7 @@ class StrategyBandit:
     def _plain_step_s(self, b: int, batch_size: int) -> float:
         """Mean step time of "off" at this batch size, else at the nearest measured one; 1.0 before any."""
         known = self.off_step_s[b]
-        if not known:
-            return 1.0
-        return known.get(batch_size) or known[min(known, key=lambda k: (abs(k - batch_size), k))]
+        return known[min(known, key=lambda k: (abs(k - batch_size), k))] if known else 1.0
 
     def estimate(self, b: int, name: str) -> float:
         """Speed of the arm over its window relative to plain decoding at the same batch sizes: plain decoding's
