@@ -502,3 +502,38 @@ def test_default_run_raises_heldout_accuracy(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["final_val_accuracy"] > summary["initial_val_accuracy"]
     assert (tmp_path / "tlt" / "default" / "report.html").is_file()
+
+
+def test_update_gradient_is_bitwise_reproducible_with_threads(tmp_path):
+    """The same batch gives the same gradient bit for bit on every call, with two intra-op threads (as `tlt train`
+    runs), so RL runs replay exactly: SD on or off, resumed or not. A pack's responses share the prompt's last
+    state, so the LM head's input repeats rows; advanced indexing's backward adds the repeats with atomics in
+    thread order (it failed here within a few calls), index_select's backward in a fixed order. Hidden size 256 and
+    ~1000 response tokens: enough work for torch to split the backward's rows over the threads."""
+    from tests.conftest import make_tiny_checkpoint
+    from tlt.models import load_model
+    from tlt.rl.actor import pack_layout, response_log_probs
+    from tlt.rl.rollout import ActorBatch
+    g = torch.Generator().manual_seed(3)
+    N, P, R = 64, 6, 32  # one prompt, 64 responses in one pack: the prompt's last state is read 64 times
+    ids = torch.randint(1, 100, (N, P + R), generator=g)
+    ids[1:, :P] = ids[0, :P]
+    resp = torch.randint(1, R + 1, (N,), generator=g)
+    mask = (torch.arange(R)[None] < resp[:, None]).float()
+    batch = ActorBatch(ids, torch.full((N,), P), resp, mask, torch.zeros(N, R), mask, torch.zeros(N, dtype=torch.long),
+                       1.0)
+    model = load_model(make_tiny_checkpoint(tmp_path / "m", hidden_size=256), dtype=torch.float32, device="cpu")
+    layout = pack_layout(batch, [N])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        grads = []
+        for _ in range(12):
+            model.zero_grad(set_to_none=True)
+            lp, _ = response_log_probs(model, batch, layout=layout)
+            (lp * torch.randn(N, R, generator=torch.Generator().manual_seed(0))).sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+    finally:
+        torch.set_num_threads(threads)
+    for other in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], other))

@@ -164,7 +164,10 @@ def response_log_probs(model: Decoder, batch: ActorBatch, with_entropy: bool = F
     layout = layout or pack_layout(batch, [1] * n)
     hidden = model(layout.input_ids, layout.positions, attn_mask=layout.attn_mask)  # [B, T, H]
     valid = torch.arange(r, device=hidden.device)[None] < batch.response_lens[:, None]  # [n, R]
-    h = hidden.reshape(-1, hidden.shape[-1])[layout.src[valid]]  # [M, H]: real response tokens only
+    # [M, H]: real response tokens only. index_select, not hidden[idx]: a pack's responses share the prompt's last
+    # state (repeated indices), and the backward of advanced indexing adds repeats with atomics on CPU, in thread
+    # order; index_select's backward (index_add_) sums them in a fixed order, so the update is reproducible.
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, layout.src[valid])
     t = batch.temperature if batch.temperature > 0 else 1.0
     logits = model.logits(h)  # [M, V] fp32, a fresh tensor: safe to scale in place
     if t != 1.0:
