@@ -116,17 +116,43 @@ def test_dominated_arms_are_explored_rarely():
 
 
 def test_forget_retries_drafter_arms_first_and_keeps_the_rest():
+    """forget(keep=0): the drafter arms' rewards are wiped and they are tried again first; other arms keep theirs."""
     ngram = Arm("ngram4", "ngram", 4, 1, 4)
     bandit = _one_bucket([OFF, ngram, CHAIN], epsilon=0.0)
     for arm, tokens in ((OFF, 1.0), (ngram, 2.0), (CHAIN, 0.5)):
         assert bandit.select(1) is arm
         bandit.update(1, arm, tokens, 1.0)
     assert bandit.select(1) is ngram
-    bandit.forget()                                   # a new drafter: the chain's old reward is stale
+    bandit.forget(keep=0)
     assert bandit.estimate(0, "chain4") == -math.inf and bandit.estimate(0, "ngram4") == 2.0
     assert bandit.select(1) is CHAIN                  # tried again first
     bandit.update(1, CHAIN, 3.0, 1.0)
     assert bandit.select(1) is CHAIN
+
+
+def test_forget_keeps_a_short_prior_that_new_steps_outweigh():
+    """A published drafter (the default forget) shortens the drafter arms' windows to their last min_samples steps:
+    no forced re-try (each RL step publishes one), and the new drafter's steps take over within a few steps where
+    the old window of 300 would have held the old estimate. Control: without forget, the same new steps barely
+    move it."""
+    def run(do_forget):
+        bandit = _one_bucket([OFF, CHAIN], epsilon=0.0, min_samples=5)
+        for arm in (OFF, CHAIN):
+            assert bandit.select(1) is arm
+            bandit.update(1, arm, 1.0, 1.0)
+        for _ in range(199):
+            bandit.update(1, CHAIN, 0.5, 1.0)         # the old drafter: 0.5x of plain decoding
+        if do_forget:
+            bandit.forget()
+            assert not bandit.untried[0] and bandit.select(1) is OFF  # known, still behind: no forced re-try
+            assert len(bandit.steps[0]["chain4"]) == 5 and bandit.estimate(0, "chain4") == pytest.approx(0.5)
+        for _ in range(6):
+            bandit.update(1, CHAIN, 2.0, 1.0)         # the new drafter: 2x
+        return bandit.estimate(0, "chain4"), bandit.select(1)
+    est, pick = run(True)
+    assert est == pytest.approx((5 * 0.5 + 6 * 2.0) / 11) and pick is CHAIN
+    est, pick = run(False)
+    assert est < 0.6 and pick is OFF
 
 
 def test_window_estimate_follows_evictions():

@@ -18,8 +18,12 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
 - "off" is kept unless an SD arm beats it by `min_gain` (a tie costs SD's variance for nothing).
 - Exploration skips arms that are confidently dominated (>= `min_samples` steps and below the best by more than
   `margin`) except with probability `recheck`, so once SD is known not to pay, exploring costs ~epsilon * recheck
-  of the steps instead of ~epsilon; `forget` (called when a new drafter is published) makes the learned-drafter
-  arms untried again, since their old rewards describe the old drafter.
+  of the steps instead of ~epsilon.
+- A new drafter (`forget`, called when one is published) shortens the learned-drafter arms' windows to their last
+  `min_samples` steps instead of wiping them: a prior that the new drafter's own steps outweigh within a few
+  steps. Online publishes come every RL step and move acceptance a little (the publish gate refuses a drafter that
+  scores worse on held-out data); wiping made every EAGLE arm of every bucket untried again after each one, so
+  each rollout re-ran its costliest arms (deep trees at bs 5-20) about 20 times for no information.
 - Exploration decays: a bucket explores with probability epsilon * window / (window + n), n = its steps since the
   last `forget`. An arm just inside the margin (an n-gram arm at 0.85-0.9x of "off", say) is otherwise explored on
   a steady share of the steps forever; a new drafter restarts the count, since that is when arms change.
@@ -144,14 +148,22 @@ class StrategyBandit:
         total[0] += float(tokens)
         total[1] += float(seconds)
 
-    def forget(self, methods: Sequence[str] = ("eagle_chain", "eagle_tree")) -> None:
-        """Drop what was learned about arms of these methods (their drafter changed): they are tried again first."""
+    def forget(self, methods: Sequence[str] = ("eagle_chain", "eagle_tree"), keep: int | None = None) -> None:
+        """The drafter of these methods' arms changed: keep only their last `keep` steps (default `min_samples`;
+        0 wipes them, and they are tried again first), and restart the exploration decay."""
+        keep = self.min_samples if keep is None else keep
         for b, bucket in enumerate(self.arms):
             self.since_forget[b] = 0
             for a in bucket:
-                if a.method in methods:
-                    self.steps[b][a.name].clear()
-                    self.totals[b][a.name] = [0.0, 0.0]
+                if a.method not in methods:
+                    continue
+                steps, total = self.steps[b][a.name], self.totals[b][a.name]
+                while len(steps) > keep:
+                    old_tokens, old_seconds = steps.popleft()
+                    total[0] -= old_tokens
+                    total[1] -= old_seconds
+                if not steps:
+                    self.totals[b][a.name] = [0.0, 0.0]  # exact zero, whatever the float residue of the sums
                     if a.name not in self.untried[b]:
                         self.untried[b].append(a.name)
 

@@ -125,7 +125,7 @@ class SpecDecoder:
         """Publish new drafter weights into this engine, also mid-rollout (exactness never depends on them)."""
         self.drafter.load_state_dict(state, strict=False)
         self.drafter_version += 1
-        self.bandit.forget()  # the learned-drafter arms' rewards describe the old weights
+        self.bandit.forget()  # the learned-drafter arms' rewards describe the old weights: a short prior now
         for k in self.dcached:  # the drafter cache was computed by the old weights: rebuild it on next use
             self.dcached[k] = 0
 
