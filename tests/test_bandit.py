@@ -115,6 +115,25 @@ def test_dominated_arms_are_explored_rarely():
     assert non_off_share(recheck=1.0) > 0.07          # control: uniform exploration pays ~epsilon * 5/6
 
 
+def test_far_behind_arms_are_skipped_after_one_step():
+    """A fresh bandit whose SD arms run at a third of plain decoding's speed stops exploring them after their one
+    forced try (below `far` x the best), instead of running each min_samples times first. Control: far=0 (only
+    the min_samples rule) spends several times more of the first steps on them."""
+    table = [OFF] + [Arm(f"chain{d}", "eagle_chain", d, 1, d) for d in (2, 3, 4, 5, 6)]
+
+    def sd_steps(far):
+        bandit = _one_bucket(table, epsilon=0.3, far=far, min_samples=5)
+        n = 0
+        for _ in range(120):
+            arm = bandit.select(1)
+            bandit.update(1, arm, 1.0 if arm is OFF else 0.33, 1.0)
+            n += arm is not OFF
+        return n
+
+    assert sd_steps(0.5) <= 10                      # 5 forced tries, then rechecks only
+    assert sd_steps(0.0) >= 18                      # control: each arm explored up to min_samples times
+
+
 def test_forget_retries_drafter_arms_first_and_keeps_the_rest():
     """forget(keep=0): the drafter arms' rewards are wiped and they are tried again first; other arms keep theirs."""
     ngram = Arm("ngram4", "ngram", 4, 1, 4)
