@@ -17,7 +17,7 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   end, so whichever arm happened to run at bs 4 looked twice as fast as one that ran at bs 2.
 - "off" is kept unless an SD arm beats it by `min_gain` (a tie costs SD's variance for nothing).
 - Exploration skips arms that are confidently dominated (>= `min_samples` steps and below the best by more than
-  `margin`, or any steps and below `far` times the best: a verify step at a third of plain decoding's speed is not
+  `margin`, or any steps and below `far` (0.5) times the best: an arm at half the best's speed or less is not
   noise) except with probability `recheck`, so once SD is known not to pay, exploring costs ~epsilon * recheck
   of the steps instead of ~epsilon. Without `far`, each arm of a fresh bandit ran min_samples steps before it
   could be skipped: at bs 5-20 on a CPU, about 20 steps at 2-3x a plain step's cost in the first rollout.
