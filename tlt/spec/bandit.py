@@ -144,12 +144,16 @@ class StrategyBandit:
         tokens = float(tokens) / batch_size * self._plain_step_s(b, batch_size)  # in plain decoding's seconds
         steps, total = self.steps[b][arm.name], self.totals[b][arm.name]
         if len(steps) == steps.maxlen:  # the oldest step leaves the window
-            old_tokens, old_seconds = steps[0]
-            total[0] -= old_tokens
-            total[1] -= old_seconds
+            self._drop_oldest(b, arm.name)
         steps.append((float(tokens), float(seconds)))
         total[0] += float(tokens)
         total[1] += float(seconds)
+
+    def _drop_oldest(self, b: int, name: str) -> None:
+        tokens, seconds = self.steps[b][name].popleft()
+        total = self.totals[b][name]
+        total[0] -= tokens
+        total[1] -= seconds
 
     def forget(self, methods: Sequence[str] = ("eagle_chain", "eagle_tree"), keep: int | None = None) -> None:
         """The drafter of these methods' arms changed: keep only their last `keep` steps (default `min_samples`;
@@ -160,11 +164,9 @@ class StrategyBandit:
             for a in bucket:
                 if a.method not in methods:
                     continue
-                steps, total = self.steps[b][a.name], self.totals[b][a.name]
+                steps = self.steps[b][a.name]
                 while len(steps) > keep:
-                    old_tokens, old_seconds = steps.popleft()
-                    total[0] -= old_tokens
-                    total[1] -= old_seconds
+                    self._drop_oldest(b, a.name)
                 if not steps:
                     self.totals[b][a.name] = [0.0, 0.0]  # exact zero, whatever the float residue of the sums
                     if a.name not in self.untried[b]:
