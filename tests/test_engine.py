@@ -29,6 +29,43 @@ def test_greedy_matches_transformers_generate(tiny_family_dir):
         assert o.outputs[0].finish_reason == "length"
 
 
+def test_long_prompts_prefill_in_chunks_as_transformers(tiny_llama_dir, monkeypatch):
+    """Prompts of 33-120 tokens (past the small-query bound: on an AVX2 CPU in fp32 they run the fused layer) in
+    prefill forwards of at most 150 padded tokens: several forwards, and the same greedy tokens as transformers'
+    `generate` and as one forward over all prompts (op by op, SDPA), logprobs within 1e-5."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 128, (L,), generator=g).tolist() for L in (33, 70, 120, 45, 64, 100)]
+    params = tlt.SamplingParams(temperature=0, max_tokens=8)
+
+    def run(max_prefill_tokens):
+        llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=8)
+        llm.engine.runner.max_prefill_tokens = max_prefill_tokens
+        rows, forward = [], llm.engine.model.forward
+
+        def counting_forward(ids, *args, **kwargs):
+            if ids.shape[1] > 1:
+                rows.append(tuple(ids.shape))
+            return forward(ids, *args, **kwargs)
+        monkeypatch.setattr(llm.engine.model, "forward", counting_forward)
+        outs = llm.generate(prompts, params)
+        monkeypatch.undo()
+        return outs, rows
+
+    chunked, rows = run(150)
+    assert rows == [(2, 70), (1, 120), (2, 64), (1, 100)]  # (33, 70) and (45, 64) share a forward each
+    whole, rows = run(None)
+    assert rows == [(6, 120)]
+    L = max(map(len, prompts))
+    ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    ref = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)[:, L:]
+    for c, w, r in zip(chunked, whole, ref.tolist()):
+        assert c.outputs[0].token_ids == w.outputs[0].token_ids == r
+        torch.testing.assert_close(torch.tensor(c.outputs[0].logprobs), torch.tensor(w.outputs[0].logprobs),
+                                   rtol=0, atol=1e-5)
+
+
 def test_logprobs_equal_full_forward(tiny_llama_dir):
     model = load_model(tiny_llama_dir)
     llm = tlt.LLM(model, max_num_seqs=4)
