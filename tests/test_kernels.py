@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import tlt
 from tlt.models import kernels
+from tlt.models.decoder import SMALL_QUERY_CPU
 from tlt.models.kernels import attention_bias, linear, small_query_attention
 
 
@@ -274,13 +275,13 @@ def test_blocked_argmax_is_torch_argmax_with_first_max_ties(V):
     assert argmax(x)[0] == 3 and argmax(x)[1] == V // 2 and argmax(x)[2] == 0
 
 
-def _cached_forward(layer, x, cos, sin, k, v, lens, T, tree):
+def _cached_forward(layer, x, cos, sin, k, v, lens, T, tree, fused=False):
     """One cached forward of `layer` for x [B, T, H] at cache lengths `lens` (S = tree width - T speculative
     entries already in the cache) -> (output, k, v): the caches are copies, written by the forward."""
     from tlt.models.decoder import CacheView, cache_mask
     k, v = [t.clone() for t in k], [t.clone() for t in v]
     view = CacheView(k, v, lens, slot_start=1, tree_mask=tree)
-    mask, plan = cache_mask(view, T, "cpu")
+    mask, plan = cache_mask(view, T, "cpu", fused)
     with torch.inference_mode():
         out = layer(x, cos, sin, mask, view, plan)
     return out, k[0], v[0]
@@ -299,7 +300,7 @@ def _random_layer(family: str, T: int, seed: int = 0):
     with torch.no_grad():
         for prm in layer.parameters():
             prm.copy_(torch.randn(prm.shape, generator=g) * (0.3 if prm.dim() > 1 else 1.0) + (prm.dim() == 1))
-    B, S, cap = 3, 2, 40
+    B, S, cap = 3, 2, 23 + T
     lens = torch.tensor([5, 0, 17])
     x = torch.randn(B, T, 64, generator=g)
     cos, sin = Rotary(cfg)(lens[:, None] + S + torch.arange(T), torch.float32)
@@ -312,11 +313,12 @@ def _random_layer(family: str, T: int, seed: int = 0):
 
 @needs_small_gemm
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "drafter"])
-@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("T", [1, 4, 40])
 def test_fused_decode_layer_equals_the_layers_torch_ops(family, T, monkeypatch):
     """csrc/decode_layer.c (one call a layer) = DecoderLayer's torch ops, output and the K/V it writes: Llama,
-    Qwen2 (qkv bias), Qwen3 (per-head q/k norms), the drafter's layer (no input norm); decode (T = 1) and a
-    verification block (T = 4 new tokens behind 2 speculative entries, a tree mask). Rows sit at cache slot 1 on
+    Qwen2 (qkv bias), Qwen3 (per-head q/k norms), the drafter's layer (no input norm); decode (T = 1), a
+    verification block (T = 4 new tokens behind 2 speculative entries, a tree mask) and a prompt chunk (T = 40,
+    beyond the small-query bound, as a prompt chunk in prefill: masked keys skipped; the torch side runs SDPA). Rows sit at cache slot 1 on
     (slot_start) with different cache lengths. Negative controls: one tree-mask entry flipped, or the rotary phase of
     one row shifted, changes the fused output beyond the tolerance."""
     layer, (x, cos, sin, k, v, lens, tree) = _random_layer(family, T)
@@ -324,12 +326,13 @@ def test_fused_decode_layer_equals_the_layers_torch_ops(family, T, monkeypatch):
     calls = []
     real = kernels.decode_layer
     monkeypatch.setattr("tlt.models.decoder.decode_layer", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    chunk = T > SMALL_QUERY_CPU
     with kernels.backend("fused"):
-        fused = _cached_forward(layer, x, cos, sin, k, v, lens, T, tree)
+        fused = _cached_forward(layer, x, cos, sin, k, v, lens, T, tree, chunk)
         flipped = tree.clone()
         flipped[0, 0] = not flipped[0, 0]
-        wrong_mask = _cached_forward(layer, x, cos, sin, k, v, lens, T, flipped)[0]
-        wrong_phase = _cached_forward(layer, x, cos.roll(1, 0), sin.roll(1, 0), k, v, lens, T, tree)[0]
+        wrong_mask = _cached_forward(layer, x, cos, sin, k, v, lens, T, flipped, chunk)[0]
+        wrong_phase = _cached_forward(layer, x, cos.roll(1, 0), sin.roll(1, 0), k, v, lens, T, tree, chunk)[0]
     assert len(calls) == 3  # the fused kernel served every forward above
     with kernels.backend("torch"):
         ref = _cached_forward(layer, x, cos, sin, k, v, lens, T, tree)

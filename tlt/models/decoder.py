@@ -21,6 +21,7 @@ from tlt.models.kernels import (LayerWeights, Linear, attention_bias, decode_lay
 SMALL_QUERY = 16  # new tokens per row up to which cached attention uses small_query_attention
 SMALL_QUERY_CPU = 32  # on CPU: covers the CPU arm table's largest verify tree (17 tokens), so every SD step runs the
                       # kernels plain decoding runs (bitwise equal logits: drafter-invariant sampling)
+FUSED_QUERY_CPU = 128  # where the fused layer serves (fp32, AVX2): prompt chunks up to here run it too (prefill)
 
 
 @dataclass
@@ -238,12 +239,13 @@ class CachePlan:
     rows: torch.Tensor             # [B, T] cache slots of the new tokens (slot_start included)
     cols: torch.Tensor             # [B, T] cache positions of the new tokens
     length: int                    # keys to attend over: max cached + S + T
-    bias: torch.Tensor | None      # [B, 1, 1, T, capacity] 0 / -inf, when T <= SMALL_QUERY(_CPU); else None (SDPA)
+    bias: torch.Tensor | None      # [B, 1, 1, T, capacity] 0 / -inf for few new tokens (see cache_mask); else None
     n_keys: torch.Tensor           # [B] keys row b attends over at most: cached + S + T
 
 
-def cache_mask(cache: CacheView, T: int, device) -> tuple[torch.Tensor, CachePlan]:
-    """Attention mask [B, 1, T, L] and the write plan for T new tokens per row.
+def cache_mask(cache: CacheView, T: int, device, fused: bool = False) -> tuple[torch.Tensor, CachePlan]:
+    """Attention mask [B, 1, T, L] and the write plan for T new tokens per row (with the small-query bias up to
+    FUSED_QUERY_CPU new tokens when `fused`: the caller's layers run the fused kernel).
 
     Keys before `cache_lens` are visible to every new token; the S + T keys after it (speculative entries of this
     step, then the new tokens, written right after them) follow `tree_mask`.
@@ -263,7 +265,7 @@ def cache_mask(cache: CacheView, T: int, device) -> tuple[torch.Tensor, CachePla
     # Place the speculative block at each row's own offset (rows have different cache lengths).
     mask.scatter_(2, tree_cols[:, None, :].expand(B, T, S + T), tree.expand(B, T, S + T))
     mask = mask[:, None]
-    small = SMALL_QUERY_CPU if torch.device(device).type == "cpu" else SMALL_QUERY
+    small = FUSED_QUERY_CPU if fused else SMALL_QUERY_CPU if torch.device(device).type == "cpu" else SMALL_QUERY
     bias = attention_bias(mask, cache.k[0].shape[2], cache.k[0].dtype) if T <= small else None
     return mask, CachePlan(rows, cols, L, bias, lens + S + T)
 
@@ -296,7 +298,8 @@ class Decoder(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         plan = None
         if cache is not None:
-            mask, plan = cache_mask(cache, T, input_ids.device)
+            fused = SMALL_QUERY_CPU < T <= FUSED_QUERY_CPU and decode_layer_ok(x, self.layers[0].weights(), cache.k[0])
+            mask, plan = cache_mask(cache, T, input_ids.device, fused)
         elif isinstance(attn_mask, PackedRows):
             mask = attn_mask if input_ids.device.type == "cpu" else attn_mask.dense_mask(T, input_ids.device)[:, None]
         else:

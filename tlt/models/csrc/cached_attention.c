@@ -26,6 +26,10 @@ static void one_head(const float* q, int64_t q_st, int64_t q_sh, const float* k,
             float m = -INFINITY;
             int j = 0;
             for (; j + 4 <= n; j += 4) {  // four keys at once: independent FMA chains, one joint reduction
+                if (bt[j] == -INFINITY && bt[j + 1] == -INFINITY && bt[j + 2] == -INFINITY && bt[j + 3] == -INFINITY) {
+                    for (int i = 0; i < 4; i++) s[j + i] = -INFINITY;  // masked (a causal prompt's later keys):
+                    continue;                                          // the score they would get anyway
+                }
                 const float* kj = k + (int64_t)j * D;
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                 for (int c = 0; c < nv; c++) {
@@ -41,6 +45,10 @@ static void one_head(const float* q, int64_t q_st, int64_t q_sh, const float* k,
                 for (int i = 0; i < 4; i++) m = s[j + i] > m ? s[j + i] : m;
             }
             for (; j < n; j++) {
+                if (bt[j] == -INFINITY) {
+                    s[j] = -INFINITY;
+                    continue;
+                }
                 const float* kj = k + (int64_t)j * D;
                 __m256 a = _mm256_setzero_ps();
                 for (int c = 0; c < nv; c++) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), a);
