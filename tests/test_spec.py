@@ -13,13 +13,14 @@ from tlt.spec.drafter import Drafter
 from tlt.spec.drafter_io import load_drafter, save_drafter
 from tlt.spec.spec_decoder import SpecDecoder
 from tlt.spec.config import SpecConfig
-from tlt.spec.verify import uniforms_from, verify_deterministic
+from tlt.spec.verify import uniforms_from, verify_deterministic, verify_stochastic
 
 CHAIN = dict(method="eagle", bs_threshold=None, adaptive=False, num_speculative_tokens=4)
 TREE = dict(method="eagle", bs_threshold=None, adaptive=False, num_speculative_tokens=3, draft_topk=3,
             num_draft_tokens=8)
 NGRAM = dict(method="ngram", bs_threshold=None, adaptive=False, num_speculative_tokens=4)
 ADAPTIVE = dict(method="eagle", bs_threshold=2, hysteresis_steps=2, epsilon=0.3)
+REJECTION = dict(CHAIN, acceptance="rejection")  # sampled chain drafts, Leviathan/Chen rejection sampling
 
 
 def _prompts(V, n=5, seed=0):
@@ -37,7 +38,8 @@ def sharp_llama(tmp_path_factory):
     return model, str(drafter_dir)
 
 
-@pytest.mark.parametrize("spec", [CHAIN, TREE, NGRAM, ADAPTIVE], ids=["chain", "tree", "ngram", "adaptive"])
+@pytest.mark.parametrize("spec", [CHAIN, TREE, NGRAM, ADAPTIVE, REJECTION],
+                         ids=["chain", "tree", "ngram", "adaptive", "rejection"])
 def test_greedy_identical_with_sd_trained_drafter(sharp_llama, spec):
     model, drafter_dir = sharp_llama
     prompts = _prompts(128)
@@ -119,6 +121,13 @@ def _wrong_rule(p, tokens, parents, valid, rng):
     return verify_deterministic(p, tokens, parents, valid, rng)
 
 
+def _wrong_stochastic(p, q, tokens, parents, valid, rng):
+    """Negative control: rejection sampling told a sharper law than the one the drafts were drawn from."""
+    q2 = q ** 2
+    q2 = q2 / q2.sum(-1, keepdim=True).clamp(min=1e-30)
+    return verify_stochastic(p, q2, tokens, parents, valid, rng)
+
+
 @pytest.fixture(scope="module")
 def tiny_vocab_model(tmp_path_factory):
     model = load_model(make_tiny_checkpoint(tmp_path_factory.mktemp("v12"), "llama", vocab_size=12, seed=4))
@@ -132,18 +141,22 @@ def tiny_vocab_model(tmp_path_factory):
     (1.0, -1, 1.0, TREE),
     pytest.param(0.9, 4, 1.0, CHAIN, marks=pytest.mark.slow),
     pytest.param(1.0, -1, 0.8, TREE, marks=pytest.mark.slow),
-    pytest.param(1.0, -1, 1.0, NGRAM, marks=pytest.mark.slow)], ids=["tree", "chain-topk", "tree-topp", "ngram"])
+    pytest.param(1.0, -1, 1.0, NGRAM, marks=pytest.mark.slow),
+    (1.0, -1, 1.0, REJECTION)], ids=["tree", "chain-topk", "tree-topp", "ngram", "rejection"])
 def test_sampled_law_under_sd_matches_target(tiny_vocab_model, temp, top_k, top_p, spec):
     model, drafter_dir = tiny_vocab_model
     prompt, depth, n = [3, 7, 1, 3, 7], 3, 2500
     exact = exact_joint(model, prompt, depth, temp, top_k, top_p)
     cfg = SpecConfig.from_dict(dict(spec, model=str(drafter_dir)) if spec["method"] == "eagle" else spec)
     params = tlt.SamplingParams(n=n, temperature=temp, top_k=top_k, top_p=top_p, max_tokens=depth, seed=1)
+    stochastic = cfg.acceptance == "rejection"
+    rules = (("exact", verify_stochastic), ("wrong", _wrong_stochastic)) if stochastic else \
+        (("exact", verify_deterministic), ("wrong", _wrong_rule))
     pvals = {}
-    for name, rule in (("exact", verify_deterministic), ("wrong", _wrong_rule)):
+    for name, rule in rules:
         llm = tlt.LLM(model, max_num_seqs=256)
         drafter = load_drafter(drafter_dir) if cfg.method == "eagle" else None
-        llm.spec = SpecDecoder(llm.engine, cfg, drafter, verify_fn=rule)
+        llm.spec = SpecDecoder(llm.engine, cfg, drafter, **{"stochastic_verify_fn" if stochastic else "verify_fn": rule})
         out = llm.generate([prompt], params)[0]
         assert llm.stats()["spec_accept_length"] > 1.1  # drafts are accepted often: the rule matters
         pvals[name] = chi_square_pvalue([tuple(c.token_ids) for c in out.outputs], exact)

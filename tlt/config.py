@@ -119,6 +119,9 @@ class SpeculativeConfig:
     device_profile: Literal["auto", "cpu", "gpu"] = _f("auto", "arm table: cpu (small verify budgets) or gpu (fastrl's)")
     epsilon: float = _f(0.1, "bandit exploration probability", ge=0, le=1)
     window: int = _f(300, "bandit sliding window (steps) for median reward", ge=1)
+    acceptance: Literal["invariant", "rejection"] = _f(
+        "invariant", "invariant = the same samples with SD on or off (deterministic drafts); rejection = sampled "
+                     "chain drafts, Leviathan/Chen rejection sampling (same law, higher acceptance near temperature 1)")
 
 
 @dataclass

@@ -313,7 +313,7 @@ class GRPOTrainer:
         if s.method == "eagle" and drafter is None:
             drafter = self._fresh_drafter()
         keys = ("method", "num_speculative_tokens", "bs_threshold", "hysteresis_steps", "adaptive", "draft_topk",
-                "num_draft_tokens", "device_profile", "epsilon", "window")
+                "num_draft_tokens", "device_profile", "epsilon", "window", "acceptance")
         return {**{k: getattr(s, k) for k in keys}, "model": drafter, "seed": self.cfg.trainer.seed}
 
     def _rollout_engine(self):

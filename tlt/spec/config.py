@@ -18,6 +18,10 @@ class SpecConfig:
     device_profile: str = "auto"           # arm table: "cpu" (small budgets) | "gpu" (fastrl's) | "auto"
     epsilon: float = 0.1                   # bandit exploration probability
     window: int = 300                      # bandit sliding window (median reward)
+    # "invariant": deterministic drafts, the target's own draw accepted when a draft holds it (seeded requests
+    # sample the same tokens with SD on or off); "rejection": chain drafts sampled from the drafter, Leviathan/Chen
+    # rejection sampling (the same law, other samples; accepts more where the target is spread out, temperature ~1)
+    acceptance: str = "invariant"
     ngram_max_n: int = 4
     ngram_min_n: int = 2
     seed: int = 0
@@ -39,6 +43,8 @@ class SpecConfig:
                              "(build one with `tlt train-drafter`), or use method='ngram'")
         if cfg.bs_threshold is not None and cfg.bs_threshold < 1:
             raise ValueError(f"speculative_config bs_threshold={cfg.bs_threshold}: use an integer >= 1 or None")
+        if cfg.acceptance not in ("invariant", "rejection"):
+            raise ValueError(f"speculative_config acceptance={cfg.acceptance!r}: use 'invariant' or 'rejection'")
         if not 0 <= cfg.epsilon <= 1:
             raise ValueError(f"speculative_config epsilon={cfg.epsilon}: use a value in [0, 1]")
         if cfg.num_speculative_tokens < 1:

@@ -7,6 +7,10 @@ Per decode step, with the running rows in slots 0..B-1:
          then grow a chain or an EAGLE-2 tree; n-gram: suffix matches over the prompt, siblings and history;
   verify one target forward over the tree (tree attention mask), exact acceptance (tlt.spec.verify), the
          accepted nodes' K/V moved into place, the target's logprob of every emitted token.
+Acceptance "invariant" (default): deterministic drafts, the target's own draw accepted when a draft holds it, so a
+seeded request samples the same tokens with SD on or off. "rejection": chain arms draw their drafts from the
+drafter's law at the row's temperature and verify by rejection sampling (the same law, other samples; acceptance
+1 - TV(p, q) instead of p(draft)); tree and n-gram arms keep the invariant rule.
 Exactness does not depend on the drafter, so its weights can be replaced at any time (`load_drafter_state`).
 """
 from __future__ import annotations
@@ -23,14 +27,17 @@ from tlt.spec.bandit import Arm, StrategyBandit
 from tlt.spec.config import SpecConfig
 from tlt.spec.drafter import Drafter
 from tlt.spec.ngram import NgramDrafter
-from tlt.spec.tree_draft import draft_tree
-from tlt.spec.verify import chain_to_tree, emitted_logprobs, node_depths, tree_attention_mask, verify_deterministic
+from tlt.spec.tree_draft import draft_chain_sampled, draft_tree
+from tlt.spec.verify import (chain_to_tree, emitted_logprobs, node_depths, tree_attention_mask, uniforms_from,
+                             verify_deterministic, verify_stochastic)
 
 
 class SpecDecoder:
-    def __init__(self, engine, cfg: SpecConfig, drafter: Drafter | None = None, verify_fn=verify_deterministic):
+    def __init__(self, engine, cfg: SpecConfig, drafter: Drafter | None = None, verify_fn=verify_deterministic,
+                 stochastic_verify_fn=verify_stochastic):
         self.engine, self.cfg = engine, cfg
         self.verify_fn = verify_fn  # injectable so tests can show a wrong acceptance rule is caught
+        self.stochastic_verify_fn = stochastic_verify_fn  # acceptance="rejection": sampled chains
         self.model = engine.model
         self.drafter = drafter.attach(self.model).to(engine.device, engine.dtype).eval() if drafter else None
         self.ngram = NgramDrafter(max_n=cfg.ngram_max_n, min_n=cfg.ngram_min_n)
@@ -152,6 +159,8 @@ class SpecDecoder:
         t0 = time.perf_counter()
         n = torch.tensor([s.num_cached for s in seqs], device=dev)   # position of each row's last token
         roots = torch.tensor([s.last_token for s in seqs], device=dev)
+        temp = torch.tensor([s.params.temperature for s in seqs], device=dev)
+        gens = [s.generator for s in seqs]
         if arm.method == "ngram":
             props = [self.ngram.propose(s.seq_id, arm.num_draft_tokens) for s in seqs]
             k = max(1, max(map(len, props)))
@@ -160,15 +169,21 @@ class SpecDecoder:
         else:
             root_pred = self._drafter_catch_up(seqs)
             self.dcache.ensure_capacity(int(n.max()) + arm.depth * arm.topk + 1)
-            tree = draft_tree(self.drafter, self.dcache, roots, root_pred, n, n, arm.depth, arm.topk,
-                              arm.num_draft_tokens)
+            if self.cfg.acceptance == "rejection" and arm.method == "eagle_chain":
+                tree = draft_chain_sampled(self.drafter, self.dcache, roots, root_pred, n, n, arm.depth, temp,
+                                           uniforms_from(gens))
+            else:
+                tree = draft_tree(self.drafter, self.dcache, roots, root_pred, n, n, arm.depth, arm.topk,
+                                  arm.num_draft_tokens)
             tokens, parents = tree.tokens, tree.parents
             valid = torch.ones_like(tokens, dtype=torch.bool)
         t1 = time.perf_counter()
         logits, hidden = self._verify_forward(seqs, tokens, parents, valid, n)
         p = self._target_probs(seqs, logits)
-        result = self.verify_fn(p, tokens, parents, valid, [s.generator for s in seqs])
-        temp = torch.tensor([s.params.temperature for s in seqs], device=dev)
+        if arm.method != "ngram" and tree.q is not None:  # drafts drawn from q: Leviathan/Chen rejection sampling
+            result = self.stochastic_verify_fn(p, tree.q, tokens, parents, valid, gens)
+        else:
+            result = self.verify_fn(p, tokens, parents, valid, gens)
         lps = emitted_logprobs(logits, temp, result)
         self._commit(seqs, result.paths, hidden, n)
         kept = [hidden[i, path] for i, path in enumerate(result.paths)]

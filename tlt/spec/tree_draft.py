@@ -11,14 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from tlt.engine.sampler import sample_from
 from tlt.spec.drafter import Drafter
+from tlt.spec.verify import UniformFn
 
 
 @dataclass
 class DraftTree:
     tokens: torch.Tensor   # [B, N + 1] target ids; node 0 = root (last accepted token)
     parents: torch.Tensor  # [B, N + 1] parent node index, -1 for the root; parents come before children
+    q: torch.Tensor | None = None  # sampled chains: [B, N + 1, V] the target-vocabulary law node n's child was drawn
+                                   # from (zero for the last node), for rejection sampling (verify_stochastic)
 
 
 def _top_children(drafter: Drafter, pred: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,6 +31,47 @@ def _top_children(drafter: Drafter, pred: torch.Tensor, k: int) -> tuple[torch.T
     logp = drafter.logits(pred).log_softmax(-1)
     val, idx = logp.topk(k, dim=-1)
     return val, drafter.to_target_ids(idx)
+
+
+def _sampled_child(drafter: Drafter, pred: torch.Tensor, temperature: torch.Tensor, draw: UniformFn,
+                   vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pred [B, H] -> (one child a row drawn from the drafter's law at the row's temperature (its argmax at 0),
+    target id [B]; that law in the target vocabulary [B, V])."""
+    logits = drafter.logits(pred)                                           # [B, V_draft] fp32
+    t = temperature[:, None]
+    probs = torch.where(t > 0, (logits / t.clamp(min=1e-6)).softmax(-1),
+                        F.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype))
+    rows = torch.arange(len(pred), device=pred.device)
+    idx = sample_from(probs, draw(rows).to(pred.device))
+    q = probs.new_zeros(len(pred), vocab_size)
+    if drafter.d2t is None:
+        q.copy_(probs)
+    else:
+        q[:, drafter.d2t] = probs
+    return drafter.to_target_ids(idx), q
+
+
+@torch.inference_mode()
+def draft_chain_sampled(drafter: Drafter, dcache, root_tokens: torch.Tensor, root_pred: torch.Tensor,
+                        root_pos: torch.Tensor, cache_lens: torch.Tensor, depth: int, temperature: torch.Tensor,
+                        draw: UniformFn) -> DraftTree:
+    """A chain of `depth` drafts a row, each drawn from the drafter's law (not its argmax), and those laws: the
+    input of Leviathan/Chen rejection sampling, whose acceptance 1 - TV(p, q) exceeds a deterministic draft's
+    p(draft) where the target is spread out (temperature ~1). Arguments as for `draft_tree`; temperature [B]."""
+    B, dev = root_tokens.shape[0], root_tokens.device
+    V = drafter.target.cfg.vocab_size
+    tok, q = _sampled_child(drafter, root_pred, temperature, draw, V)
+    toks, qs = [tok], [q]
+    hidden = root_pred[:, None]
+    for level in range(2, depth + 1):
+        tree_mask = torch.ones(B, 1, level - 1, dtype=torch.bool, device=dev)  # sees every earlier draft
+        pos = (root_pos + level - 1)[:, None]
+        hidden = drafter(hidden, toks[-1][:, None], pos, dcache.view(cache_lens, tree_mask=tree_mask))
+        tok, q = _sampled_child(drafter, hidden[:, 0], temperature, draw, V)
+        toks.append(tok); qs.append(q)
+    tokens = torch.cat([root_tokens[:, None], torch.stack(toks, 1)], 1)
+    parents = torch.arange(-1, depth, device=dev).expand(B, depth + 1)
+    return DraftTree(tokens, parents, torch.stack(qs + [torch.zeros_like(q)], 1))
 
 
 @torch.inference_mode()
