@@ -131,3 +131,17 @@ def test_local_spot_rollout_two_steps(tiny_llama_dir):
     outs = rollout.generate(prompt_token_ids=[[1, 2]], sampling_params=tlt.SamplingParams(max_tokens=3),
                             group_ids=[5], rl_step=2)
     assert outs[0].group_id == 5 and rollout.last_report.step == 2
+
+
+def test_replica_config_carries_every_speculative_key():
+    """The Ray replicas build their SpecDecoder from the run's config: every speculative key reaches it (the
+    fixed-arm and acceptance keys were once dropped, so replicas ran the adaptive default whatever was asked)."""
+    from tlt.config import load_config
+    from tlt.spec.config import SpecConfig
+    run = load_config(None, ["speculative.adaptive=false", "speculative.draft_topk=3",
+                             "speculative.num_draft_tokens=7", "speculative.acceptance=rejection",
+                             "speculative.device_profile=gpu", "speculative.epsilon=0.2"])
+    spec = ReplicaConfig.from_config(run).speculative
+    got = SpecConfig.from_dict({**spec, "model": "<fresh>"})
+    assert (got.adaptive, got.draft_topk, got.num_draft_tokens, got.acceptance, got.device_profile, got.epsilon) == \
+        (False, 3, 7, "rejection", "gpu", 0.2)
