@@ -10,6 +10,8 @@ The modes differ only in the speculative section:
     off       speculative.enabled=false
     always    SD at every batch size with one fixed EAGLE chain (bs_threshold=null, adaptive=false)
     adaptive  SD gated on the running batch (speculative.bs_threshold) with the bandit over the arm table
+    adaptive_rej, frozen, ngram (on request): adaptive with speculative.acceptance=rejection (SD off's law, other
+              samples), with the warm-started drafter never trained, with n-gram drafts only
 Drafter: speculative.model, else the cached warm-up drafter of the model (tlt.drafter_train.offline); without one
 the SD modes use n-gram drafts, and the output says so. The processes take turns one RL step at a time, in an
 order rotated every step (A B C, B C A, ...), so drift of a shared machine hits every mode alike; a waiting
@@ -38,7 +40,7 @@ import numpy as np
 
 from tlt.bench.common import print_json_line, print_table
 
-MODES = ("off", "always", "adaptive", "frozen", "ngram")
+MODES = ("off", "always", "adaptive", "adaptive_rej", "frozen", "ngram")  # adaptive_rej: acceptance=rejection
 DEFAULT_MODES = ("off", "always", "adaptive")  # each mode is a whole trainer process: ~5 GB for the default model
 # off: no SD; always: one fixed EAGLE chain at every batch size; adaptive: gate + bandit, drafter trained online;
 # frozen: adaptive with the warm-started drafter never trained; ngram: adaptive with model-free drafts only.
@@ -89,6 +91,8 @@ def mode_config(cfg, mode: str, method: str, drafter: str | None, out: Path):
     s.method, s.model = method, drafter
     if mode == "always":
         s.bs_threshold, s.adaptive = None, False
+    elif mode == "adaptive_rej":  # sampled chain drafts, rejection sampling: SD off's law, not its samples
+        s.acceptance = "rejection"
     elif mode == "frozen":
         c.drafter_train.enabled = False
     elif mode == "ngram":
