@@ -36,15 +36,28 @@ def test_rollout_quick_all_modes(tmp_path, capsys):
     model_dir = str(tiny_random_model_path())
     torch.manual_seed(0)
     drafter = save_drafter(Drafter(load_model(model_dir).cfg), tmp_path / "drafter")  # random: accepts little
-    assert rollout.main(["--quick", "--model", model_dir, "--drafter", str(drafter)]) == 0
+    modes = [*rollout.MODES, "always_rej", "adaptive_rej"]
+    assert rollout.main(["--quick", "--model", model_dir, "--drafter", str(drafter), "--modes", ",".join(modes)]) == 0
     result = last_json(capsys)
-    assert result["benchmark"] == "rollout" and set(result["modes"]) == set(rollout.MODES)
+    assert result["benchmark"] == "rollout" and set(result["modes"]) == set(modes)
     # seeded rollouts: every mode samples SD off's responses (drafter-invariant verification; bitwise forwards on
     # the fp32 path this machine's kernels serve, else a rounding-sized boundary could part a response)
     with torch.no_grad():
         bitwise = kernels.matmul_path(torch.ones(2, 8), torch.ones(8, 8)) == "small_gemm"
-    if bitwise:
-        assert all(v["same_as_off"] == 1.0 for v in result["modes"].values()), result["modes"]
+    if bitwise:  # the _rej modes sample SD off's law, not its very samples
+        assert all(v["same_as_off"] == 1.0 for m, v in result["modes"].items() if not m.endswith("_rej")), \
+            result["modes"]
+
+
+def test_e2e_modes_differ_only_in_the_speculative_section():
+    from tlt.config import load_config
+    cfg = load_config(None, [])
+    rej = e2e.mode_config(cfg, "adaptive_rej", "eagle", "d", Path("o"))
+    ada = e2e.mode_config(cfg, "adaptive", "eagle", "d", Path("o"))
+    assert rej.speculative.acceptance == "rejection" and ada.speculative.acceptance == "invariant"
+    rej.speculative.acceptance = "invariant"
+    rej.trainer.experiment_name = ada.trainer.experiment_name
+    assert rej == ada
 
 
 def test_compare_learning_checks_the_first_step_on_its_own():
