@@ -61,7 +61,12 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def target_logprobs(logits: torch.Tensor, temperature: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Log-prob of `ids` under softmax(logits / T) (raw softmax at T = 0), before top-k/top-p: the quantity an RL
-    trainer recomputes as the old policy's log-prob (verl divides logits by the rollout temperature likewise)."""
+    trainer recomputes as the old policy's log-prob (verl divides logits by the rollout temperature likewise).
+    On CPU in fp32: tlt's kernel (no [N, V] log_softmax output), else torch."""
+    from tlt.models.kernels import token_logprobs
+    fast = token_logprobs(logits, temperature, ids)
+    if fast is not None:
+        return fast
     if bool(((temperature > 0) & (temperature != 1)).any()):
         logits = logits / torch.where(temperature <= 0, 1.0, temperature)[:, None]
     return logits.log_softmax(-1).gather(1, ids[:, None])[:, 0]

@@ -54,7 +54,7 @@ BACKENDS = ("auto", "torch", "onednn", "small_gemm", "fused")
 # (batch x verify tokens rows) then rounds as the plain decode forward does.
 SMALL_GEMM_MAX_ROWS = 512
 _CSRC = Path(__file__).parent / "csrc"
-_SRCS = [_CSRC / name for name in ("small_gemm.c", "cached_attention.c", "decode_layer.c", "simd.h")]
+_SRCS = [_CSRC / name for name in ("small_gemm.c", "cached_attention.c", "decode_layer.c", "logprobs.c", "simd.h")]
 # no implicit FMA contraction: the fused layer's rotary and residual sums round like torch's separate ops
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _PACKED: dict[tuple[int, str], tuple] = {}  # (id(weight), path) -> (weakref, data_ptr, version, packed)
@@ -111,6 +111,7 @@ def small_gemm_lib():
                                                  ctypes.c_float, i32]
             lib.tlt_decode_layer.argtypes = [vp, vp, *[i32] * 7, *[vp] * 4, ctypes.c_float, *[vp] * 7, vp, vp, i32,
                                              i32, vp, vp, vp, vp, i32]
+            lib.tlt_token_logprobs.argtypes = [vp, i32, i32, vp, vp, vp, i32]
             _state["lib"] = lib
         except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", None) or e
@@ -240,6 +241,22 @@ def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
     small_gemm_lib().tlt_cached_attention(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(),
                                           v.data_ptr(), C, n_keys.data_ptr(), bias.data_ptr(), out.data_ptr(), B, T,
                                           nh, nkv, D, D ** -0.5, torch.get_num_threads())
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, temperature: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+    """log softmax(logits / T)[ids] per row (T <= 0: T = 1), logits [N, V] fp32 on CPU, through csrc/logprobs.c
+    (one pass for the max and one for the sum, no [N, V] output); None where it does not serve (the caller then
+    uses torch's log_softmax)."""
+    if (_state["backend"] == "torch" or logits.device.type != "cpu" or logits.dtype != torch.float32
+            or logits.dim() != 2 or (torch.is_grad_enabled() and logits.requires_grad) or small_gemm_lib() is None):
+        return None
+    x = logits.contiguous()
+    t = temperature.to(torch.float32).contiguous()
+    i = ids.to(torch.int64).contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.float32)
+    small_gemm_lib().tlt_token_logprobs(x.data_ptr(), x.shape[0], x.shape[1], t.data_ptr(), i.data_ptr(),
+                                        out.data_ptr(), torch.get_num_threads())
     return out
 
 
