@@ -156,7 +156,8 @@ def test_sampled_law_under_sd_matches_target(tiny_vocab_model, temp, top_k, top_
     for name, rule in rules:
         llm = tlt.LLM(model, max_num_seqs=256)
         drafter = load_drafter(drafter_dir) if cfg.method == "eagle" else None
-        llm.spec = SpecDecoder(llm.engine, cfg, drafter, **{"stochastic_verify_fn" if stochastic else "verify_fn": rule})
+        kw = {"stochastic_verify_fn" if stochastic else "verify_fn": rule}
+        llm.spec = SpecDecoder(llm.engine, cfg, drafter, **kw)
         out = llm.generate([prompt], params)[0]
         assert llm.stats()["spec_accept_length"] > 1.1  # drafts are accepted often: the rule matters
         pvals[name] = chi_square_pvalue([tuple(c.token_ids) for c in out.outputs], exact)

@@ -32,7 +32,8 @@ class ModelRunner:
         Prompts run in forwards of at most `max_prefill_tokens` padded tokens (a longer prompt alone), so that the
         activations stay small. Each distinct prompt is computed once: when the first U sequences hold the distinct
         prompts and the rest repeat them (the scheduler's order for a request's n samples), only those U rows run
-        and the repeats get copies of their K/V, logits and hidden states. A rollout of n samples a prompt prefills 1/n of the tokens.
+        and the repeats get copies of their K/V, logits and hidden states. A rollout of n samples a prompt
+        prefills 1/n of the tokens.
         """
         first: dict[tuple[int, ...], int] = {}
         src = [first.setdefault(tuple(s.prompt_ids), len(first)) for s in seqs]

@@ -24,7 +24,8 @@ static float row_logprob(const float* x, int V, float t, int64_t id) {
         s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), tv), mv)));
         s1 = _mm256_add_ps(s1, exp8(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(x + i + 8), tv), mv)));
     }
-    for (; i + 8 <= V; i += 8) s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), tv), mv)));
+    for (; i + 8 <= V; i += 8)
+        s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), tv), mv)));
     float s = hsum(_mm256_add_ps(s0, s1));
     for (; i < V; i++) s += expf(x[i] / t - m);
     return (x[id] / t - m) - logf(s);
