@@ -123,6 +123,14 @@ class SpeculativeConfig:
         "invariant", "invariant = the same samples with SD on or off (deterministic drafts); rejection = sampled "
                      "chain drafts, Leviathan/Chen rejection sampling (same law, higher acceptance near temperature 1)")
 
+    def engine_config(self, seed: int) -> dict[str, Any] | None:
+        """`tlt.LLM(speculative_config=...)`: every key but `enabled`, plus the seed (None when disabled). Derived
+        from the fields, so a new key reaches the in-process engine and the Ray replicas alike."""
+        if not self.enabled:
+            return None
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "enabled"},
+                "seed": seed}
+
 
 @dataclass
 class DrafterTrainConfig:

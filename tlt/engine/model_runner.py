@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tlt.engine.kv_cache import KVCache
 from tlt.engine.sequence import Sequence
@@ -42,17 +43,15 @@ class ModelRunner:
             src, U = list(range(len(seqs))), len(seqs)
         lens = [len(s.prompt_ids) for s in seqs[:U]]
         T, s0 = max(lens), seqs[0].slot
-        hidden = None
+        parts = []
         for a, b in self._prefill_chunks(lens):
             Tc = max(lens[a:b])  # right padding: causal rows never see it
             ids = self._tensor([s.prompt_ids + [0] * (Tc - len(s.prompt_ids)) for s in seqs[a:b]])
             positions = torch.arange(Tc, device=self.device).expand(b - a, Tc)
-            h = self.model(ids, positions, self.kv.view(torch.zeros(b - a, dtype=torch.long, device=self.device),
-                                                        s0 + a))
-            if hidden is None:
-                hidden = h if b == U and Tc == T else h.new_zeros(U, T, h.shape[-1])
-            if hidden is not h:
-                hidden[a:b, :Tc] = h
+            zero = torch.zeros(b - a, dtype=torch.long, device=self.device)
+            parts.append(self.model(ids, positions, self.kv.view(zero, s0 + a)))
+        # a group shorter than the longest prompt is padded with zeros (positions past a prompt are never read)
+        hidden = torch.cat([F.pad(h, (0, 0, 0, T - h.shape[1])) for h in parts]) if len(parts) > 1 else parts[0]
         last = hidden[torch.arange(U), self._tensor(lens) - 1]
         logits = self.model.logits(last)
         if U < len(seqs):

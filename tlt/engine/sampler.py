@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from tlt.models.kernels import token_logprobs
+
 
 def transform_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                      top_p: torch.Tensor) -> torch.Tensor:
@@ -63,7 +65,6 @@ def target_logprobs(logits: torch.Tensor, temperature: torch.Tensor, ids: torch.
     """Log-prob of `ids` under softmax(logits / T) (raw softmax at T = 0), before top-k/top-p: the quantity an RL
     trainer recomputes as the old policy's log-prob (verl divides logits by the rollout temperature likewise).
     On CPU in fp32: tlt's kernel (no [N, V] log_softmax output), else torch."""
-    from tlt.models.kernels import token_logprobs
     fast = token_logprobs(logits, temperature, ids)
     if fast is not None:
         return fast

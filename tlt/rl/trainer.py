@@ -306,15 +306,10 @@ class GRPOTrainer:
     # ---------------------------------------------------------------- setup, checkpoints
 
     def _speculative_config(self) -> dict[str, Any] | None:
-        s = self.cfg.speculative
-        if not s.enabled:
-            return None
-        drafter = s.model
-        if s.method == "eagle" and drafter is None:
-            drafter = self._fresh_drafter()
-        keys = ("method", "num_speculative_tokens", "bs_threshold", "hysteresis_steps", "adaptive", "draft_topk",
-                "num_draft_tokens", "device_profile", "epsilon", "window", "acceptance")
-        return {**{k: getattr(s, k) for k in keys}, "model": drafter, "seed": self.cfg.trainer.seed}
+        spec = self.cfg.speculative.engine_config(self.cfg.trainer.seed)
+        if spec is not None and spec["method"] == "eagle" and spec["model"] is None:
+            spec["model"] = self._fresh_drafter()
+        return spec
 
     def _rollout_engine(self):
         """trainer.num_rollout_workers > 1 (or use_ray): rollout replicas as Ray actors whose idle ones train the

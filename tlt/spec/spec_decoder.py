@@ -166,6 +166,7 @@ class SpecDecoder:
             k = max(1, max(map(len, props)))
             draft = torch.tensor([p + [0] * (k - len(p)) for p in props], device=dev)
             tokens, parents, valid = chain_to_tree(roots, draft, torch.tensor([len(p) for p in props], device=dev))
+            q = None
         else:
             root_pred = self._drafter_catch_up(seqs)
             self.dcache.ensure_capacity(int(n.max()) + arm.depth * arm.topk + 1)
@@ -175,13 +176,13 @@ class SpecDecoder:
             else:
                 tree = draft_tree(self.drafter, self.dcache, roots, root_pred, n, n, arm.depth, arm.topk,
                                   arm.num_draft_tokens)
-            tokens, parents = tree.tokens, tree.parents
+            tokens, parents, q = tree.tokens, tree.parents, tree.q
             valid = torch.ones_like(tokens, dtype=torch.bool)
         t1 = time.perf_counter()
         logits, hidden = self._verify_forward(seqs, tokens, parents, valid, n)
         p = self._target_probs(seqs, logits)
-        if arm.method != "ngram" and tree.q is not None:  # drafts drawn from q: Leviathan/Chen rejection sampling
-            result = self.stochastic_verify_fn(p, tree.q, tokens, parents, valid, gens)
+        if q is not None:  # drafts drawn from q: Leviathan/Chen rejection sampling
+            result = self.stochastic_verify_fn(p, q, tokens, parents, valid, gens)
         else:
             result = self.verify_fn(p, tokens, parents, valid, gens)
         lps = emitted_logprobs(logits, temp, result)

@@ -62,10 +62,7 @@ class ReplicaConfig:
     def from_config(cls, cfg) -> "ReplicaConfig":
         """From a tlt.config.Config (sections model, data, rollout, speculative, drafter_train, trainer)."""
         s, d = cfg.speculative, cfg.drafter_train
-        keys = ("method", "model", "num_speculative_tokens", "bs_threshold", "hysteresis_steps", "adaptive",
-                "draft_topk", "num_draft_tokens", "device_profile", "epsilon", "window", "acceptance")
-        spec = None if not s.enabled else {**{k: getattr(s, k) for k in keys}, "seed": cfg.trainer.seed}
-        return cls(speculative=spec, max_num_seqs=cfg.rollout.max_num_seqs,
+        return cls(speculative=s.engine_config(cfg.trainer.seed), max_num_seqs=cfg.rollout.max_num_seqs,
                    max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
                    device=cfg.model.device, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
                    train_drafter=d.enabled and s.enabled and s.method == "eagle", drafter_lr=d.lr,
