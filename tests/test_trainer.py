@@ -266,7 +266,9 @@ def _log_probs_and_grads(tiny_dir, batch, **cfg):
     from tlt.models import load_model
     from tlt.rl.actor import Actor
     model = load_model(tiny_dir, dtype=torch.float32, device="cpu")
-    actor = Actor(model, ActorConfig(lr=0.0, **cfg), total_steps=1)
+    # fp32 throughout: the layouts are equal in exact arithmetic, and bf16 autocast (on by default where the CPU
+    # has native bf16) would round each layout differently, ~1e-3
+    actor = Actor(model, ActorConfig(lr=0.0, bf16_autocast=False, **cfg), total_steps=1)
     lp = actor.compute_log_probs(batch)
     actor.update(batch, num_mini_batches=1)  # lr 0: the gradients stay in .grad, the weights unchanged
     return lp, {k: p.grad.clone() for k, p in model.named_parameters()}

@@ -88,7 +88,8 @@ class ActorConfig:
                                           "length and split with the least padding", ge=1)
     share_prompt: bool = _f(True, "update: forward a group's prompt once for several of its responses (packed rows, "
                                   "each response sees the prompt and itself; exact)")
-    bf16_autocast: bool = _f(True, "bf16 autocast for the policy forward on GPU")
+    bf16_autocast: bool = _f(True, "bf16 autocast for the policy forward/backward where bf16 is fast (GPU, "
+                                   "avx512_bf16/AMX CPUs)")
 
 
 @dataclass
