@@ -3,18 +3,19 @@
 `linear` serves an inference matmul (CPU, autograd off) from a copy of the weight laid out for a faster kernel:
 - bf16: a oneDNN-prepacked weight. Bit-identical to F.linear and about 2x faster at decode batch sizes on a CPU
   with avx512_bf16 (a [1, 576] x [576, 3072] matmul: 115 -> 59 us on one EPYC core).
-- fp32 on an AVX2 CPU, up to SMALL_GEMM_MAX_ROWS rows: tlt's own kernel (csrc/small_gemm.c, built with the
-  system C compiler on first use into the cache). The weight is packed into panels of 16 columns, each contiguous
-  over k, so one pass streams the weight while each loaded vector feeds up to 6 rows. MKL's sgemm reads the
-  weight at a third of the memory bandwidth for a few rows; every matmul of a SmolLM2 decode step at 4 rows takes
-  27.5 ms here against 79 ms (one core of an AVX2 EPYC). Sums run in another order than MKL (~1e-6 relative).
-- fp32 on an AVX-512 CPU: the oneDNN-prepacked weight (up to 2.5x faster than MKL from 4 rows there; ~1e-5
-  relative difference over a 30-layer model).
+- fp32 on an AVX2 or AVX-512 CPU, up to SMALL_GEMM_MAX_ROWS rows: tlt's own kernel (csrc/small_gemm.c, AVX2 +
+  FMA, built with the system C compiler on first use into the cache). The weight is packed into panels of 16
+  columns, each contiguous over k, so one pass streams the weight while each loaded vector feeds up to 6 rows.
+  MKL's sgemm reads the weight at a third of the memory bandwidth for a few rows; every matmul of a SmolLM2 decode
+  step at 4 rows takes 27.5 ms here against 79 ms (one core of an AVX2 EPYC). On an AVX-512 Zen 4 EPYC it beats
+  oneDNN's prepacked fp32 matmul too (the five matmul shapes of a SmolLM2 layer + LM head, two threads: 1.67x at 4
+  rows, 1.35x at 16, 1.14x at 64, parity at 256-512). Sums run in another order than MKL (~1e-6 relative).
+- fp32 under backend("onednn"): the oneDNN-prepacked weight (~1e-5 relative difference over a 30-layer model).
 - otherwise, and always under autograd: F.linear.
 A packed copy is keyed by the weight's identity and version counter: an optimizer step or load_state_dict bumps
 the version, and the next call packs again, so a packed copy is never stale. `backend(name)` forces one path
-(tests compare them; benchmarks can time them); "fused" forces the fused layer below (and small_gemm) on any AVX2
-CPU, "small_gemm" keeps the op-by-op layer.
+(tests compare them; benchmarks can time them); "fused" forces the fused layer below (and small_gemm), "small_gemm"
+keeps the op-by-op layer.
 
 `decode_layer`: a whole decoder layer for a few new tokens per row (decode, SD verification, drafting) in one call
 (csrc/decode_layer.c) where the small-row kernel serves fp32: norms, qkv, rotary, the KV-cache write, attention,
@@ -128,7 +129,7 @@ def matmul_path(x: torch.Tensor, weight: torch.Tensor) -> str:
         return "torch"
     rows = x.numel() // max(x.shape[-1], 1)
     if (weight.dtype == torch.float32 and b in ("auto", "small_gemm", "fused") and rows <= SMALL_GEMM_MAX_ROWS
-            and (b != "auto" or _cpu_capability() == "AVX2") and small_gemm_lib() is not None):
+            and small_gemm_lib() is not None):
         return "small_gemm"
     if (b in ("auto", "onednn") and _state["onednn"] and (weight.dtype == torch.bfloat16 or
                                                           (weight.dtype == torch.float32 and
