@@ -39,7 +39,7 @@ def test_packed_bf16_linear_is_bit_identical_and_used():
     b = torch.randn(96, generator=g).to(torch.bfloat16)
     for shape in [(1, 64), (3, 5, 64), (70, 64)]:
         x = torch.randn(*shape, generator=g).to(torch.bfloat16)
-        with torch.inference_mode():
+        with torch.inference_mode(), kernels.backend("onednn"):  # auto takes tlt's bf16 kernel on AVX512-BF16 CPUs
             assert kernels.matmul_path(x, w) == "onednn"
             assert torch.equal(linear(x, w, b), F.linear(x, w, b))
             assert torch.equal(linear(x, w), F.linear(x, w))
@@ -241,7 +241,8 @@ def _greedy(llm, prompts, n=12):
                                         ("fused", "float32")])
 def test_engine_same_with_each_matmul_path_across_weight_updates(tiny_llama_dir, path, dtype):
     """The RL loop's case: generate, update the weights in place, generate again; the fast path gives torch's
-    tokens each time (bit-identical logprobs for bf16 oneDNN, within 1e-4 in fp32)."""
+    tokens each time, and logprobs within 1e-4 (bf16 oneDNN's logits are torch's bit for bit, but off the torch
+    backend the sampled token's logprob comes from csrc/logprobs.c, which sums in another order than log_softmax)."""
     _skip_unless_available(path, getattr(torch, dtype))
     llm = tlt.LLM(model=tiny_llama_dir, dtype=dtype, device="cpu", skip_tokenizer_init=True)
     prompts = [[5, 9, 2, 7], [3, 1], [11, 12, 13, 14, 15, 16]]
@@ -252,10 +253,7 @@ def test_engine_same_with_each_matmul_path_across_weight_updates(tiny_llama_dir,
             plain = _greedy(llm, prompts)
         assert [t for t, _ in fast] == [t for t, _ in plain], f"step {step}"
         for (_, a), (_, b) in zip(fast, plain):
-            if dtype == "bfloat16":
-                assert a == b
-            else:
-                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
         with torch.no_grad():  # an "optimizer step": every weight changes in place
             for p in llm.model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)

@@ -10,14 +10,22 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 @functools.cache
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bf16 matrix instructions (avx512_bf16 or AMX): bf16 decode is ~2x fp32 there."""
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+        return frozenset()
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 matrix instructions (avx512_bf16 or AMX): bf16 decode is ~2x fp32 there."""
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """True when the CPU has AVX512-BF16 (vdpbf16ps), which tlt's bf16 small-row matmul kernel needs."""
+    return "avx512_bf16" in _cpu_flags()
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -38,3 +46,4 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | str 
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported: use one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
+

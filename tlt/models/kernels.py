@@ -10,6 +10,10 @@
   step at 4 rows takes 27.5 ms here against 79 ms (one core of an AVX2 EPYC). On an AVX-512 Zen 4 EPYC it beats
   oneDNN's prepacked fp32 matmul too (the five matmul shapes of a SmolLM2 layer + LM head, two threads: 1.67x at 4
   rows, 1.35x at 16, 1.14x at 64, parity at 256-512). Sums run in another order than MKL (~1e-6 relative).
+- bf16 on a CPU with AVX512-BF16, up to BF16_GEMM_MAX_ROWS rows: tlt's bf16 twin of that kernel
+  (csrc/small_gemm_bf16.c, vdpbf16ps: pairs of bf16 products summed into fp32 lanes, the output rounded to bf16
+  once). Two threads on a Zen 4 EPYC, the five matmul shapes of a SmolLM2 layer + LM head: 2.0x oneDNN's bf16
+  matmul at one row, parity at 4-512 rows, and its rows are batch-independent as the fp32 kernel's.
 - fp32 under backend("onednn"): the oneDNN-prepacked weight (~1e-5 relative difference over a 30-layer model).
 - otherwise, and always under autograd: F.linear.
 A packed copy is keyed by the weight's identity and version counter: an optimizer step or load_state_dict bumps
@@ -21,7 +25,9 @@ keeps the op-by-op layer.
 (csrc/decode_layer.c) where the small-row kernel serves fp32: norms, qkv, rotary, the KV-cache write, attention,
 o-proj, MLP and residuals, with the same matmul and attention kernels as the op-by-op path. At one row the op-by-op
 layer spent ~40% of a SmolLM2 decode step in per-op overhead; one AVX2 EPYC, 2 threads, decode step at bs 1 / 4 /
-16 / 64: 49 / 65 / 112 / 230 ms -> 34 / 45 / 84 / 204 ms.
+16 / 64: 49 / 65 / 112 / 230 ms -> 34 / 45 / 84 / 204 ms. bf16 models on AVX512-BF16 CPUs get the same layer over
+bf16 weights and KV cache (fp32 between the matmuls, so it is closer to fp32 than torch's bf16 ops, tested); SmolLM2
+bf16 decode, Zen 4 EPYC, two threads, bs 1 / 4 / 16 / 64: 38 / 140 / 337 / 494 -> 89 / 258 / 463 / 571 tok/s.
 
 `small_query_attention`: attention for a few new tokens per row against a KV cache (decode and verification).
 In fp32 on CPU: tlt's kernel (csrc/cached_attention.c, built with the matmul kernel), which reads each row's own
@@ -48,14 +54,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from tlt.cache import build_atomically, cache_root
+from tlt.device import cpu_has_avx512_bf16
 
 BACKENDS = ("auto", "torch", "onednn", "small_gemm", "fused")
 # measured: 2.3x MKL at 4 rows (one core), 1.1-1.3x at 128-512 rows, 0.85x at 1024 (AVX2 EPYC, two cores). Its rows
 # are independent (bit for bit the same in any batch), which drafter-invariant sampling leans on: a verify forward
 # (batch x verify tokens rows) then rounds as the plain decode forward does.
 SMALL_GEMM_MAX_ROWS = 512
+BF16_GEMM_MAX_ROWS = 512  # the bf16 kernel (AVX512-BF16), rows up to which it serves bf16 weights
 _CSRC = Path(__file__).parent / "csrc"
-_SRCS = [_CSRC / name for name in ("small_gemm.c", "cached_attention.c", "decode_layer.c", "logprobs.c", "simd.h")]
+_SRCS = [_CSRC / name for name in ("small_gemm.c", "small_gemm_bf16.c", "cached_attention.c", "cached_attention_impl.h",
+                                   "decode_layer.c", "logprobs.c", "simd.h")]
 # no implicit FMA contraction: the fused layer's rotary and residual sums round like torch's separate ops
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _PACKED: dict[tuple[int, str], tuple] = {}  # (id(weight), path) -> (weakref, data_ptr, version, packed)
@@ -113,6 +122,9 @@ def small_gemm_lib():
             lib.tlt_decode_layer.argtypes = [vp, vp, *[i32] * 7, *[vp] * 4, ctypes.c_float, *[vp] * 7, vp, vp, i32,
                                              i32, vp, vp, vp, vp, i32]
             lib.tlt_token_logprobs.argtypes = [vp, i32, i32, vp, vp, vp, i32]
+            lib.tlt_pack_bf16.argtypes = [vp, i32, i32, vp]
+            lib.tlt_small_gemm_bf16.argtypes = [vp, i32, i32, i64, vp, i32, vp, vp, vp, i32]
+            lib.tlt_decode_layer_bf16.argtypes = lib.tlt_decode_layer.argtypes
             _state["lib"] = lib
         except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", None) or e
@@ -122,7 +134,7 @@ def small_gemm_lib():
 
 
 def matmul_path(x: torch.Tensor, weight: torch.Tensor) -> str:
-    """Which path `linear(x, weight)` takes: "torch", "onednn" or "small_gemm"."""
+    """Which path `linear(x, weight)` takes: "torch", "onednn", "small_gemm" or "small_gemm_bf16"."""
     b = _state["backend"]
     if (b == "torch" or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != weight.dtype
             or weight.dim() != 2 or weight.is_inference()):
@@ -131,6 +143,9 @@ def matmul_path(x: torch.Tensor, weight: torch.Tensor) -> str:
     if (weight.dtype == torch.float32 and b in ("auto", "small_gemm", "fused") and rows <= SMALL_GEMM_MAX_ROWS
             and small_gemm_lib() is not None):
         return "small_gemm"
+    if (weight.dtype == torch.bfloat16 and b in ("auto", "small_gemm", "fused") and rows <= BF16_GEMM_MAX_ROWS
+            and x.shape[-1] % 2 == 0 and cpu_has_avx512_bf16() and small_gemm_lib() is not None):
+        return "small_gemm_bf16"
     if (b in ("auto", "onednn") and _state["onednn"] and (weight.dtype == torch.bfloat16 or
                                                           (weight.dtype == torch.float32 and
                                                            (b == "onednn" or _cpu_capability() == "AVX512")))):
@@ -142,6 +157,11 @@ def _pack(weight: torch.Tensor, path: str):
     w = weight.detach().contiguous()
     if path == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(w, 1)
+    if path == "small_gemm_bf16":
+        N, K = w.shape
+        packed = torch.empty((N + 31) // 32 * 32 * (K + 1) // 2 * 2, dtype=torch.bfloat16)
+        small_gemm_lib().tlt_pack_bf16(w.data_ptr(), N, K, packed.data_ptr())
+        return packed
     N, K = w.shape
     packed = torch.empty((N + 15) // 16 * 16 * K, dtype=torch.float32)
     small_gemm_lib().tlt_pack(w.data_ptr(), N, K, packed.data_ptr())
@@ -174,6 +194,17 @@ def _small_gemm(x: torch.Tensor, packed: torch.Tensor, N: int, bias: torch.Tenso
     return y.view(*x.shape[:-1], N)
 
 
+def _small_gemm_bf16(x: torch.Tensor, packed: torch.Tensor, N: int, bias: torch.Tensor | None) -> torch.Tensor:
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K).contiguous()
+    y = torch.empty(x2.shape[0], N, dtype=torch.bfloat16)
+    b = None if bias is None else bias.float().contiguous()
+    small_gemm_lib().tlt_small_gemm_bf16(x2.data_ptr(), x2.shape[0], K, K, packed.data_ptr(), N,
+                                         None if b is None else b.data_ptr(), None, y.data_ptr(),
+                                         torch.get_num_threads())
+    return y.view(*x.shape[:-1], N)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through a packed weight and a faster kernel when autograd is off on CPU (see module doc)."""
     path = matmul_path(x, weight)
@@ -182,6 +213,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if packed is not None:
             if path == "small_gemm":
                 return _small_gemm(x, packed, weight.shape[0], bias)
+            if path == "small_gemm_bf16":
+                return _small_gemm_bf16(x, packed, weight.shape[0], bias)
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -279,13 +312,15 @@ class LayerWeights:
 
 
 def decode_layer_ok(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor) -> bool:
-    """Whether `decode_layer` serves this layer: fp32 on CPU without autograd, the small-row matmul path, and shapes
-    its kernel handles. Off under backend("torch" / "onednn" / "small_gemm"); "fused" forces it where it can run."""
+    """Whether `decode_layer` serves this layer: on CPU without autograd, fp32 on the small-row matmul path or bf16
+    on the bf16 kernel's (x, weights and cache of one dtype), and shapes its kernel handles. Off under
+    backend("torch" / "onednn" / "small_gemm"); "fused" forces it where it can run."""
     if _state["backend"] not in ("auto", "fused") or not x.is_contiguous() or not k_cache.is_contiguous():
         return False
     D, H = k_cache.shape[-1], x.shape[-1]
-    return (matmul_path(x, w.qkv) == "small_gemm" and k_cache.dtype == torch.float32 and D % 8 == 0 and D <= 256
-            and H % 8 == 0 and w.num_heads % w.num_kv_heads == 0)
+    path = "small_gemm" if k_cache.dtype == torch.float32 else "small_gemm_bf16"
+    return (matmul_path(x, w.qkv) == path and k_cache.dtype == x.dtype == w.ln2.dtype and D % 8 == 0 and D <= 256
+            and H % 8 == 0 and w.down.shape[1] % 2 == 0 and w.num_heads % w.num_kv_heads == 0)
 
 
 def decode_layer(x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, signed_sin: torch.Tensor,
@@ -295,7 +330,7 @@ def decode_layer(x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, signed_sin
     the slot cache [S, nkv, cap, D] at slot slot_start + b, positions cols [B, T]; cos / signed_sin [B, T, 1, D],
     n_keys [B] and bias [B, 1, 1, T, cap] as for `small_query_attention`. Same arithmetic as the layer's torch ops
     with tlt's matmul and attention kernels, up to the order of rms_norm's sum and silu's exp (~1e-6 of the
-    output's scale)."""
+    output's scale). In bf16 (x, weights and cache), fp32 between the matmuls: see csrc/decode_layer.c."""
     B, T, H = x.shape
     nh, nkv, D = w.num_heads, w.num_kv_heads, k_cache.shape[-1]
     inter = w.down.shape[1]
@@ -303,14 +338,20 @@ def decode_layer(x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, signed_sin
     ptr = lambda t: None if t is None else t.data_ptr()
     # held in locals: a temporary's memory would be freed before the kernel reads it
     cols, n_keys = cols.to(torch.int64).contiguous(), n_keys.to(torch.int64).contiguous()
-    cos, signed_sin, bias = cos.contiguous(), signed_sin.contiguous(), bias.contiguous()
-    work = torch.empty(M * ((nh + 2 * nkv) * D + nh * D + 2 * H + 3 * inter), dtype=torch.float32)
+    # the kernels take fp32 rotary tables, mask bias and qkv bias in both dtypes (a bf16 model's are bf16 values)
+    cos, signed_sin, bias = cos.float().contiguous(), signed_sin.float().contiguous(), bias.float().contiguous()
+    qkv_bias = None if w.qkv_bias is None else w.qkv_bias.float().contiguous()
+    floats = M * ((nh + 2 * nkv) * D + nh * D + 2 * H + 3 * inter)
+    if x.dtype == torch.float32:
+        path, fn = "small_gemm", small_gemm_lib().tlt_decode_layer
+    else:  # + fp32 input and output rows, norm weights, and bf16 scratch for the matmuls' rounded inputs
+        path, fn = "small_gemm_bf16", small_gemm_lib().tlt_decode_layer_bf16
+        floats += 2 * M * H + 2 * H + 2 * D + (M * max(H, nh * D, inter) + 1) // 2
+    work = torch.empty(floats, dtype=torch.float32)
     out = torch.empty_like(x)
-    small_gemm_lib().tlt_decode_layer(
-        out.data_ptr(), x.data_ptr(), M, T, H, inter, nh, nkv, D, ptr(w.ln1), w.ln2.data_ptr(), ptr(w.q_norm),
-        ptr(w.k_norm), w.eps, _packed(w.qkv, "small_gemm").data_ptr(), ptr(w.qkv_bias),
-        _packed(w.o, "small_gemm").data_ptr(), _packed(w.gate_up, "small_gemm").data_ptr(),
-        _packed(w.down, "small_gemm").data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], slot_start, cols.data_ptr(), n_keys.data_ptr(),
-        bias.data_ptr(), work.data_ptr(), torch.get_num_threads())
+    fn(out.data_ptr(), x.data_ptr(), M, T, H, inter, nh, nkv, D, ptr(w.ln1), w.ln2.data_ptr(), ptr(w.q_norm),
+       ptr(w.k_norm), w.eps, _packed(w.qkv, path).data_ptr(), ptr(qkv_bias), _packed(w.o, path).data_ptr(),
+       _packed(w.gate_up, path).data_ptr(), _packed(w.down, path).data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
+       k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], slot_start, cols.data_ptr(), n_keys.data_ptr(),
+       bias.data_ptr(), work.data_ptr(), torch.get_num_threads())
     return out

@@ -1,4 +1,4 @@
-// Attention of a few new tokens per row against a slot KV cache, in fp32 (decode and speculative verification).
+// Attention of a few new tokens per row against a slot KV cache, in fp32 arithmetic over an fp32 or bf16 cache.
 // out[b, t, h] = softmax_j(q[b, t, h] . k[b, h/g, j] * scale + bias[b, t, j]) @ v[b, h/g, j], over j < n_keys[b].
 // torch's batched matmul has to run over the cache's whole capacity (a slice would cost it a copy), so every step
 // of a rollout reads keys up to prompt + max_tokens; this reads each row's own keys only, and its exp is AVX2.
@@ -12,105 +12,24 @@
 
 #include "simd.h"
 
-// One (row b, KV head) pair: its g * T query rows, one at a time (their keys stay in L1/L2 between rows).
-static void one_head(const float* q, int64_t q_st, int64_t q_sh, const float* k, const float* v, int n,
-                     const float* bias, int64_t bias_st, float* out, int64_t out_st, int T, int g, int h0, int D,
-                     float scale, float* s) {
-    const int nv = D / 8;
-    for (int t = 0; t < T; t++) {
-        const float* bt = bias + t * bias_st;
-        for (int hi = 0; hi < g; hi++) {
-            const float* qr = q + t * q_st + (int64_t)(h0 + hi) * q_sh;
-            __m256 qv[32];  // D <= 256
-            for (int c = 0; c < nv; c++) qv[c] = _mm256_loadu_ps(qr + 8 * c);
-            float m = -INFINITY;
-            int j = 0;
-            for (; j + 4 <= n; j += 4) {  // four keys at once: independent FMA chains, one joint reduction
-                if (bt[j] == -INFINITY && bt[j + 1] == -INFINITY && bt[j + 2] == -INFINITY && bt[j + 3] == -INFINITY) {
-                    for (int i = 0; i < 4; i++) s[j + i] = -INFINITY;  // masked (a causal prompt's later keys):
-                    continue;                                          // the score they would get anyway
-                }
-                const float* kj = k + (int64_t)j * D;
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                for (int c = 0; c < nv; c++) {
-                    a0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), a0);
-                    a1 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + D + 8 * c), a1);
-                    a2 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 2 * D + 8 * c), a2);
-                    a3 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 3 * D + 8 * c), a3);
-                }
-                __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-                __m128 dots = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-                __m128 x = _mm_add_ps(_mm_mul_ps(dots, _mm_set1_ps(scale)), _mm_loadu_ps(bt + j));
-                _mm_storeu_ps(s + j, x);
-                for (int i = 0; i < 4; i++) m = s[j + i] > m ? s[j + i] : m;
-            }
-            for (; j < n; j++) {
-                if (bt[j] == -INFINITY) {
-                    s[j] = -INFINITY;
-                    continue;
-                }
-                const float* kj = k + (int64_t)j * D;
-                __m256 a = _mm256_setzero_ps();
-                for (int c = 0; c < nv; c++) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), a);
-                float x = hsum_pairwise(a) * scale + bt[j];  // the four-key block's reduction order
-                s[j] = x;
-                m = x > m ? x : m;
-            }
-            // Sum of exps in 8 lanes, the key of visible rank r in lane r % 8 (masked keys skipped): the same sum,
-            // bit for bit, whether masked speculative keys lie between (verification) or not (plain decoding).
-            __m256 mv = _mm256_set1_ps(m), sum8 = _mm256_setzero_ps();
-            const __m256 ninf = _mm256_set1_ps(-INFINITY);
-            for (j = 0; j + 8 <= n; j += 8) {
-                if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(bt + j), ninf, _CMP_EQ_OQ))) break;
-                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-                _mm256_storeu_ps(s + j, e);
-                sum8 = _mm256_add_ps(sum8, e);
-            }
-            float lanes[8];
-            _mm256_storeu_ps(lanes, sum8);
-            for (int r = j; j < n; j += 8) {  // the rest through padded vectors: masked keys and the tail
-                float tmp[8];
-                int w = n - j < 8 ? n - j : 8;
-                for (int i = 0; i < 8; i++) tmp[i] = i < w ? s[j + i] - m : -INFINITY;
-                _mm256_storeu_ps(tmp, exp8(_mm256_loadu_ps(tmp)));
-                for (int i = 0; i < w; i++) {
-                    s[j + i] = tmp[i];
-                    if (bt[j + i] != -INFINITY) lanes[r++ & 7] += tmp[i];
-                }
-            }
-            float sum = hsum(_mm256_loadu_ps(lanes));
-            __m256 acc[32];
-            for (int c = 0; c < nv; c++) acc[c] = _mm256_setzero_ps();
-            for (j = 0; j < n; j++) {
-                if (s[j] == 0.0f) continue;  // masked (or negligible) keys add nothing
-                __m256 p = _mm256_set1_ps(s[j]);
-                const float* vj = v + (int64_t)j * D;
-                for (int c = 0; c < nv; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), acc[c]);
-            }
-            __m256 inv = _mm256_set1_ps(1.0f / sum);
-            float* o = out + t * out_st + (int64_t)(h0 + hi) * D;
-            for (int c = 0; c < nv; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], inv));
-        }
-    }
+// 8 bf16 values (raw bits) -> 8 floats (exact: a bf16 is a float's upper 16 bits)
+static inline __m256 load8_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
-// q: [B, T, nh, D] with strides (q_sb, q_st, q_sh, 1); k, v: [B, nkv, cap, D] contiguous; n_keys: [B];
-// bias: [B, T, cap] contiguous; out: [B, T, nh, D] contiguous. D must be a multiple of 8, at most 256.
-void tlt_cached_attention(const float* q, int64_t q_sb, int64_t q_st, int64_t q_sh, const float* k, const float* v,
-                          int cap, const int64_t* n_keys, const float* bias, float* out, int B, int T, int nh,
-                          int nkv, int D, float scale, int threads) {
-    int g = nh / nkv;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        float* s = malloc(sizeof(float) * (size_t)(cap > 0 ? cap : 1));
-#pragma omp for schedule(dynamic)
-        for (int task = 0; task < B * nkv; task++) {
-            int b = task / nkv, kh = task % nkv;
-            int64_t kv_off = ((int64_t)b * nkv + kh) * cap * D;
-            int n = (int)(n_keys[b] < cap ? n_keys[b] : cap);
-            one_head(q + b * q_sb, q_st, q_sh, k + kv_off, v + kv_off, n, bias + (int64_t)b * T * cap, cap,
-                     out + (int64_t)b * T * nh * D, (int64_t)nh * D, T, g, kh * g, D, scale, s);
-        }
-        free(s);
-    }
-}
+#define KV_T float
+#define LOAD8(p) _mm256_loadu_ps(p)
+#define ONE_HEAD one_head
+#define CACHED_ATTENTION tlt_cached_attention
+#include "cached_attention_impl.h"
+#undef KV_T
+#undef LOAD8
+#undef ONE_HEAD
+#undef CACHED_ATTENTION
+
+// The same with a bf16 KV cache (bf16 models): keys and values widened to fp32 as they are read.
+#define KV_T uint16_t
+#define LOAD8(p) load8_bf16(p)
+#define ONE_HEAD one_head_bf16kv
+#define CACHED_ATTENTION tlt_cached_attention_bf16kv
+#include "cached_attention_impl.h"

@@ -1,0 +1,151 @@
+"""bf16 CPU fast paths (AVX512-BF16): the small-row matmul kernel (csrc/small_gemm_bf16.c), attention over a bf16
+KV cache and the bf16 fused decode layer (csrc/decode_layer.c), each against float64/fp32 arithmetic on the same
+bf16 values, with torch's own bf16 ops as the yardstick for the tolerance."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tlt
+from tests.test_kernels import _cached_forward, _random_layer
+from tlt.device import cpu_has_avx512_bf16
+from tlt.models import kernels
+from tlt.models.kernels import linear
+
+needs_bf16_kernel = pytest.mark.skipif(not cpu_has_avx512_bf16() or kernels.small_gemm_lib() is None,
+                                       reason="no AVX512-BF16 (or no C compiler): tlt's bf16 kernels do not run here")
+pytestmark = needs_bf16_kernel
+BF16_EPS = 2.0 ** -8  # a bf16 ulp at 1, relative
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 64, 300])
+@pytest.mark.parametrize("K", [72, 74])
+def test_small_gemm_bf16_matches_float64(rows, K):
+    """Rows around the kernel's 8-row passes, N not a multiple of its 32-column panels, K not a multiple of 4 (the
+    pairs of k), bias or none: the output is the float64 product of the same bf16 values, rounded to bf16 once."""
+    g = torch.Generator().manual_seed(rows * K)
+    w = torch.randn(100, K, generator=g).bfloat16()
+    b = torch.randn(100, generator=g).bfloat16()
+    x = torch.randn(rows, K, generator=g).bfloat16()
+    with torch.inference_mode():
+        assert kernels.matmul_path(x, w) == "small_gemm_bf16"
+        for bias in (b, None):
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            got = linear(x, w, bias)
+            assert got.dtype == torch.bfloat16
+            tol = BF16_EPS * ref.abs() + 1e-5 * float(ref.abs().max())  # one rounding + fp32 sums
+            assert ((got.double() - ref).abs() <= tol).all()
+            # negative control: a result one column off (the panel edge handling) is caught at this tolerance
+            assert not ((torch.roll(got, 1, -1).double() - ref).abs() <= tol).all()
+        assert (id(w), "small_gemm_bf16") in kernels._PACKED
+
+
+def test_small_gemm_bf16_rows_are_batch_independent():
+    """Each output row is bit for bit the same whatever else is in the batch, as for the fp32 kernel."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(200, 96, generator=g).bfloat16(), torch.randn(200, generator=g).bfloat16()
+    x = torch.randn(kernels.BF16_GEMM_MAX_ROWS, 96, generator=g).bfloat16()
+    with torch.inference_mode():
+        full = linear(x, w, b)
+        for rows in (1, 7, 8, 9, 131):
+            assert torch.equal(linear(x[:rows], w, b), full[:rows])
+            assert torch.equal(linear(x[-rows:], w, b), full[-rows:])
+
+
+def test_bf16_kernel_follows_in_place_updates():
+    w = torch.nn.Parameter(torch.randn(64, 32).bfloat16())
+    x = torch.randn(4, 32).bfloat16()
+    with torch.inference_mode():
+        before = linear(x, w)
+    with torch.no_grad():
+        w.mul_(-2.0)
+    with torch.inference_mode():
+        after = linear(x, w)
+    assert torch.equal(after, -2.0 * before)  # exact: a power of two scales every product and sum alike
+
+
+def _bf16_case(family: str, T: int):
+    """A random layer of `family` and a cached step in bf16, and the same in fp32 holding the very bf16 values."""
+    layer, (x, cos, sin, k, v, lens, tree) = _random_layer(family, T)
+    lb = copy.deepcopy(layer).to(torch.bfloat16)
+    l32 = copy.deepcopy(lb).float()
+    xb, cb, sb = x.bfloat16(), cos.bfloat16(), sin.bfloat16()
+    kb, vb = [k[0].bfloat16()], [v[0].bfloat16()]
+    bf16 = (lb, xb, cb, sb, kb, vb, lens, tree)
+    fp32 = (l32, xb.float(), cb.float(), sb.float(), [kb[0].float()], [vb[0].float()], lens, tree)
+    return bf16, fp32
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "drafter"])
+@pytest.mark.parametrize("T", [1, 4, 40])
+def test_fused_bf16_layer_is_as_close_to_fp32_as_torchs_bf16_ops(family, T, monkeypatch):
+    """The bf16 fused layer (output and the K/V it writes) against the fp32 layer on the same bf16 weights, inputs
+    and cache: within a few bf16 roundings of the output's scale, and no farther than torch's own bf16 ops (which
+    round after every op). Negative controls: a flipped tree-mask entry and a shifted rotary phase are caught (so
+    were, by mutation, a dropped qkv bias and the MLP's output scaled by 0.95; a 1% error in one op is within the
+    bf16 noise of this random layer, ~0.5-1% of its output's scale, and is not)."""
+    (lb, xb, cb, sb, kb, vb, lens, tree), (l32, x32, c32, s32, k32, v32, _, _) = _bf16_case(family, T)
+    calls = []
+    real = kernels.decode_layer
+    monkeypatch.setattr("tlt.models.decoder.decode_layer", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    chunk = T > 32
+    with kernels.backend("fused"):
+        fused = _cached_forward(lb, xb, cb, sb, kb, vb, lens, T, tree, chunk)
+        flipped = tree.clone()
+        flipped[0, 0] = not flipped[0, 0]
+        wrong_mask = _cached_forward(lb, xb, cb, sb, kb, vb, lens, T, flipped, chunk)[0]
+        wrong_phase = _cached_forward(lb, xb, cb.roll(1, 0), sb.roll(1, 0), kb, vb, lens, T, tree, chunk)[0]
+    assert len(calls) == 3 and fused[0].dtype == torch.bfloat16  # the bf16 fused kernel served them
+    with kernels.backend("torch"):
+        ref = _cached_forward(l32, x32, c32, s32, k32, v32, lens, T, tree)
+        torch_bf16 = _cached_forward(lb, xb, cb, sb, kb, vb, lens, T, tree)
+    assert len(calls) == 3
+    for got, theirs, want in zip(fused, torch_bf16, ref):  # output, then K and V written at the same places
+        scale = float(want.abs().max())
+        err, err_torch = float((got.float() - want).abs().max()), float((theirs.float() - want).abs().max())
+        assert err <= 8 * BF16_EPS * scale, (err, scale)
+        assert err <= 1.25 * err_torch + BF16_EPS * scale, (err, err_torch)
+    scale = float(ref[0].abs().max())
+    assert float((wrong_mask.float() - ref[0]).abs().max()) > 16 * BF16_EPS * scale
+    assert float((wrong_phase.float() - ref[0]).abs().max()) > 16 * BF16_EPS * scale
+
+
+def test_bf16_fused_layer_only_where_it_can_run():
+    from tlt.models.kernels import LayerWeights, decode_layer_ok
+    mk = lambda *shape: torch.nn.Parameter(torch.randn(*shape).bfloat16())
+    w = LayerWeights(None, torch.ones(64).bfloat16(), None, None, 1e-6, mk(96, 64), None, mk(64, 64), mk(144, 64),
+                     mk(64, 72), 4, 2)
+    kc = torch.zeros(2, 2, 8, 16, dtype=torch.bfloat16)
+    x = torch.randn(2, 1, 64).bfloat16()
+    with torch.inference_mode():
+        assert decode_layer_ok(x, w, kc)
+        assert not decode_layer_ok(x, w, kc.float())  # a cache of another dtype
+        assert not decode_layer_ok(x.float(), w, kc)
+        with kernels.backend("onednn"):
+            assert not decode_layer_ok(x, w, kc)
+    assert not decode_layer_ok(x, w, kc)  # autograd on
+
+
+def test_bf16_engine_logprobs_match_an_fp32_forward(tiny_llama_dir, monkeypatch):
+    """A bf16 engine on the fused bf16 layer: every returned logprob equals an fp32 full-sequence forward of the
+    same (bf16-valued) weights over the generated tokens, to bf16 accuracy; a wrong position is far off."""
+    calls = []
+    real = kernels.decode_layer
+    monkeypatch.setattr("tlt.models.decoder.decode_layer", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    llm = tlt.LLM(model=tiny_llama_dir, dtype="bfloat16", device="cpu", skip_tokenizer_init=True)
+    prompts = [[5, 9, 2, 7], [3, 1], [11, 12, 13, 14, 15, 16]]
+    outs = llm.generate(prompt_token_ids=prompts,
+                        sampling_params=tlt.SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=3))
+    assert calls  # decode steps ran the fused bf16 layer
+    model32 = copy.deepcopy(llm.model).float()
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([p + o.outputs[0].token_ids])
+        with torch.no_grad(), kernels.backend("torch"):
+            lp = torch.log_softmax(model32.logits(model32(ids))[0, len(p) - 1:-1], -1)
+        want = lp.gather(-1, ids[0, len(p):, None])[:, 0]
+        got = torch.tensor(o.outputs[0].logprobs)
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+        assert not torch.allclose(got[1:], want[:-1], atol=0.05, rtol=0.02)

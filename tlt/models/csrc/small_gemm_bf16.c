@@ -1,0 +1,107 @@
+// y[M, N] = x[M, K] @ W^T (+ bias) for a few rows M with bf16 x and W and fp32 accumulation, on CPUs with
+// AVX512-BF16 (vdpbf16ps: 16 lanes, each adding the products of one pair of k). The bf16 twin of small_gemm.c:
+// W is pre-packed into panels of 32 output columns, each contiguous over pairs of k ([N/32][K/2][32][2], zero-padded),
+// so one pass streams the weight and every two weight vectors loaded feed up to 8 rows (16 accumulators of 32).
+// The output is fp32 (y32) or rounded to bf16 (y16, round to nearest even, as torch's bf16 matmul rounds its
+// fp32 accumulators). Only called where the CPU has avx512_bf16 (kernels.py checks); built with the others.
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BPANEL 32
+#define BROWS 8
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// w [N, K] bf16 bits -> out [ceil(N/32)][ceil(K/2)][32][2]
+void tlt_pack_bf16(const uint16_t* w, int N, int K, uint16_t* out) {
+    int panels = (N + BPANEL - 1) / BPANEL, K2 = (K + 1) / 2;
+    memset(out, 0, sizeof(uint16_t) * (size_t)panels * K2 * BPANEL * 2);
+    for (int n = 0; n < N; n++) {
+        uint16_t* p = out + (size_t)(n / BPANEL) * K2 * BPANEL * 2 + (n % BPANEL) * 2;
+        const uint16_t* row = w + (size_t)n * K;
+        for (int k = 0; k < K; k++) p[(size_t)(k / 2) * BPANEL * 2 + (k & 1)] = row[k];
+    }
+}
+
+// fp32 -> bf16 bits, n values, round to nearest even (vcvtneps2bf16)
+BF16_TARGET void tlt_f32_to_bf16(const float* x, int64_t n, uint16_t* y) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i*)(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+    if (i < n) {
+        __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        _mm256_mask_storeu_epi16(y + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + i)));
+    }
+}
+
+// R rows of x (bf16, row stride xs elements, pairs of k read as one 32-bit word) against one panel.
+#define BPANEL_ROWS(R)                                                                                         \
+    BF16_TARGET static inline void bpanel_##R(const uint16_t* x, int64_t xs, int K2, const uint16_t* p,          \
+                                              const uint16_t* pf, float* acc) {                                 \
+        __m512 a0[R], a1[R];                                                                                   \
+        for (int r = 0; r < R; r++) { a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); }             \
+        for (int kp = 0; kp < K2; kp++) {                                                                      \
+            const uint16_t* pk = p + (size_t)kp * BPANEL * 2;                                                  \
+            if (pf) _mm_prefetch((const char*)(pf + (size_t)kp * BPANEL * 2), _MM_HINT_T0);                   \
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512(pk), w1 = (__m512bh)_mm512_loadu_si512(pk + 32);        \
+            for (int r = 0; r < R; r++) {                                                                      \
+                int32_t pair;                                                                                  \
+                memcpy(&pair, x + (size_t)r * xs + 2 * kp, 4);                                                 \
+                __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);                                               \
+                a0[r] = _mm512_dpbf16_ps(a0[r], xb, w0);                                                       \
+                a1[r] = _mm512_dpbf16_ps(a1[r], xb, w1);                                                       \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int r = 0; r < R; r++) {                                                                          \
+            _mm512_storeu_ps(acc + r * BPANEL, a0[r]);                                                         \
+            _mm512_storeu_ps(acc + r * BPANEL + 16, a1[r]);                                                    \
+        }                                                                                                      \
+    }
+BPANEL_ROWS(1)
+BPANEL_ROWS(2)
+BPANEL_ROWS(3)
+BPANEL_ROWS(4)
+BPANEL_ROWS(5)
+BPANEL_ROWS(6)
+BPANEL_ROWS(7)
+BPANEL_ROWS(8)
+
+// x [M, xs] bf16 bits with xs >= 2 * ceil(K/2) (an odd K needs x[m, K] == 0: the pad pairs with W's zero pad)
+BF16_TARGET void tlt_small_gemm_bf16(const uint16_t* x, int M, int K, int64_t xs, const uint16_t* packed, int N,
+                                     const float* bias, float* y32, uint16_t* y16, int threads) {
+    int panels = (N + BPANEL - 1) / BPANEL, K2 = (K + 1) / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int j = 0; j < panels; j++) {
+        const uint16_t* p = packed + (size_t)j * K2 * BPANEL * 2;
+        int n0 = j * BPANEL, width = N - n0 < BPANEL ? N - n0 : BPANEL;
+        float acc[BROWS * BPANEL];
+        const uint16_t* pf = M > 3 && j + 1 < panels ? p + (size_t)K2 * BPANEL * 2 : NULL;  // next panel
+        for (int m = 0; m < M; m += BROWS) {
+            int R = M - m < BROWS ? M - m : BROWS;
+            const uint16_t* xr = x + (size_t)m * xs;
+            const uint16_t* f = m == 0 ? pf : NULL;
+            switch (R) {
+                case 1: bpanel_1(xr, xs, K2, p, f, acc); break;
+                case 2: bpanel_2(xr, xs, K2, p, f, acc); break;
+                case 3: bpanel_3(xr, xs, K2, p, f, acc); break;
+                case 4: bpanel_4(xr, xs, K2, p, f, acc); break;
+                case 5: bpanel_5(xr, xs, K2, p, f, acc); break;
+                case 6: bpanel_6(xr, xs, K2, p, f, acc); break;
+                case 7: bpanel_7(xr, xs, K2, p, f, acc); break;
+                default: bpanel_8(xr, xs, K2, p, f, acc); break;
+            }
+            for (int r = 0; r < R; r++) {
+                float* a = acc + r * BPANEL;
+                if (bias)
+                    for (int c = 0; c < width; c++) a[c] += bias[n0 + c];
+                if (y32) {
+                    memcpy(y32 + (size_t)(m + r) * N + n0, a, sizeof(float) * width);
+                } else {
+                    __mmask32 mk = width == 32 ? 0xffffffffu : (__mmask32)((1u << width) - 1);
+                    __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(a + 16), _mm512_loadu_ps(a));
+                    _mm512_mask_storeu_epi16(y16 + (size_t)(m + r) * N + n0, mk, (__m512i)lo);
+                }
+            }
+        }
+    }
+}
