@@ -1,6 +1,8 @@
 """Speculative decoding is lossless: greedy output identical with SD on/off, seeded sampled output identical too
 (drafter-invariant verification), sampled law equal to the target's (with negative controls), logprobs and kept
 hidden states equal a full forward, drafter swaps mid-run."""
+import copy
+
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ import tlt
 from tests.conftest import make_tiny_checkpoint
 from tests.spec_util import quick_drafter
 from tests.stats_util import chi_square_pvalue, exact_joint
+from tlt.device import cpu_has_avx512_bf16
 from tlt.models import kernels, load_model
 from tlt.spec.drafter import Drafter
 from tlt.spec.drafter_io import load_drafter, save_drafter
@@ -78,14 +81,20 @@ def _flipped_draws(p, tokens, parents, valid, rng):
     return verify_deterministic(p, tokens, parents, valid, lambda rows: 1 - draw(rows))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("spec", [CHAIN, TREE, NGRAM, ADAPTIVE], ids=["chain", "tree", "ngram", "adaptive"])
-def test_seeded_sampling_identical_with_sd_on_or_off(sharp_llama, spec):
+def test_seeded_sampling_identical_with_sd_on_or_off(sharp_llama, spec, dtype):
     """Drafter-invariant verification: at temperature > 0 a seeded request yields the very tokens and logprobs of
     plain decoding, whatever the drafts. Bitwise equal logits from the verify and decode forwards are part of it
-    (the fused fp32 CPU path: csrc/cached_attention.c sums over visible keys in an order masked keys do not move)."""
+    (the fused CPU path: row-independent matmuls, and csrc/cached_attention.c sums over visible keys in an order
+    masked keys do not move); in bf16 on CPUs with AVX512-BF16, where the bf16 fused layer serves, too."""
     if kernels.small_gemm_lib() is None:
-        pytest.skip("no fp32 small-row kernel here: the verify and decode forwards may round differently")
+        pytest.skip("no small-row kernel here: the verify and decode forwards may round differently")
+    if dtype == "bfloat16" and not cpu_has_avx512_bf16():
+        pytest.skip("no AVX512-BF16: bf16 runs oneDNN's matmuls, whose rows depend on the batch")
     model, drafter_dir = sharp_llama
+    if dtype == "bfloat16":
+        model = copy.deepcopy(model).to(torch.bfloat16)
     prompts = _prompts(128, n=5, seed=5)
     params = tlt.SamplingParams(n=2, temperature=1.0, top_k=3, max_tokens=40, seed=11)
     raw = dict(spec, model=drafter_dir) if spec["method"] == "eagle" else spec

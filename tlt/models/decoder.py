@@ -21,7 +21,7 @@ from tlt.models.kernels import (LayerWeights, Linear, attention_bias, decode_lay
 SMALL_QUERY = 16  # new tokens per row up to which cached attention uses small_query_attention
 SMALL_QUERY_CPU = 32  # on CPU: covers the CPU arm table's largest verify tree (17 tokens), so every SD step runs the
                       # kernels plain decoding runs (bitwise equal logits: drafter-invariant sampling)
-FUSED_QUERY_CPU = 128  # where the fused layer serves (fp32, AVX2/AVX-512): prompt chunks up to here run it too (prefill)
+FUSED_QUERY_CPU = 128  # where the fused layer serves (CPU fast paths): prompt chunks up to here run it too (prefill)
 
 
 @dataclass
@@ -309,5 +309,5 @@ class Decoder(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> fp32 logits [..., V]."""
-        return linear(hidden, self.lm_head_weight).float()
+        """[..., H] -> fp32 logits [..., V] (a bf16 model on the bf16 kernel: its fp32 sums, not rounded to bf16)."""
+        return linear(hidden, self.lm_head_weight, out_fp32=True)

@@ -194,29 +194,34 @@ def _small_gemm(x: torch.Tensor, packed: torch.Tensor, N: int, bias: torch.Tenso
     return y.view(*x.shape[:-1], N)
 
 
-def _small_gemm_bf16(x: torch.Tensor, packed: torch.Tensor, N: int, bias: torch.Tensor | None) -> torch.Tensor:
+def _small_gemm_bf16(x: torch.Tensor, packed: torch.Tensor, N: int, bias: torch.Tensor | None,
+                     out_fp32: bool) -> torch.Tensor:
     K = x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
-    y = torch.empty(x2.shape[0], N, dtype=torch.bfloat16)
+    y = torch.empty(x2.shape[0], N, dtype=torch.float32 if out_fp32 else torch.bfloat16)
     b = None if bias is None else bias.float().contiguous()
+    y32, y16 = (y.data_ptr(), None) if out_fp32 else (None, y.data_ptr())
     small_gemm_lib().tlt_small_gemm_bf16(x2.data_ptr(), x2.shape[0], K, K, packed.data_ptr(), N,
-                                         None if b is None else b.data_ptr(), None, y.data_ptr(),
-                                         torch.get_num_threads())
+                                         None if b is None else b.data_ptr(), y32, y16, torch.get_num_threads())
     return y.view(*x.shape[:-1], N)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through a packed weight and a faster kernel when autograd is off on CPU (see module doc)."""
-    path = matmul_path(x, weight)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_fp32: bool = False) -> torch.Tensor:
+    """F.linear, through a packed weight and a faster kernel when autograd is off on CPU (see module doc).
+    out_fp32: return fp32 (the LM head's logits); the bf16 kernel then skips rounding its fp32 sums to bf16."""
+    path, y = matmul_path(x, weight), None
     if path != "torch":
         packed = _packed(weight, path)
         if packed is not None:
             if path == "small_gemm":
                 return _small_gemm(x, packed, weight.shape[0], bias)
             if path == "small_gemm_bf16":
-                return _small_gemm_bf16(x, packed, weight.shape[0], bias)
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+                return _small_gemm_bf16(x, packed, weight.shape[0], bias, out_fp32)
+            y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if y is None:
+        y = F.linear(x, weight, bias)
+    return y.float() if out_fp32 else y
 
 
 class Linear(nn.Linear):

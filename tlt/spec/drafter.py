@@ -67,7 +67,7 @@ class Drafter(nn.Module):
     def logits(self, pred_hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits over the draft vocabulary ([..., V_draft], fp32); map ids back with `to_target_ids`."""
         w = self.draft_head()
-        return linear(pred_hidden.to(w.dtype), w).float()
+        return linear(pred_hidden.to(w.dtype), w, out_fp32=True)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.d2t is None else self.d2t[draft_ids]

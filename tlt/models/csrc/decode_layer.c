@@ -54,10 +54,12 @@ void tlt_decode_layer(float* x_out, const float* x_in, int M, int T, int H, int 
 
     const float* hin = x_in;
     if (ln1) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
         for (int m = 0; m < M; m++) rms_norm(x_in + (size_t)m * H, ln1, H, eps, h + (size_t)m * H);
         hin = h;
     }
     tlt_small_gemm(hin, M, H, wqkv, W, bqkv, qkv, threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
     for (int m = 0; m < M; m++) {
         float* row = qkv + (size_t)m * W;
         const float *c = cos + (size_t)m * D, *s = ssin + (size_t)m * D;
@@ -79,8 +81,11 @@ void tlt_decode_layer(float* x_out, const float* x_in, int M, int T, int H, int 
                          nh, nkv, D, 1.0f / sqrtf((float)D), threads);
 
     tlt_small_gemm(attn, M, nh * D, wo, H, NULL, tmp, threads);
-    for (size_t i = 0; i < (size_t)M * H; i++) x_out[i] = x_in[i] + tmp[i];
-    for (int m = 0; m < M; m++) rms_norm(x_out + (size_t)m * H, ln2, H, eps, h + (size_t)m * H);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
+    for (int m = 0; m < M; m++) {
+        for (size_t i = (size_t)m * H; i < (size_t)(m + 1) * H; i++) x_out[i] = x_in[i] + tmp[i];
+        rms_norm(x_out + (size_t)m * H, ln2, H, eps, h + (size_t)m * H);
+    }
     tlt_small_gemm(h, M, H, wgu, 2 * I, NULL, gu, threads);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
     for (int m = 0; m < M; m++) {  // silu(g) * u = g / (1 + exp(-g)) * u
@@ -96,7 +101,9 @@ void tlt_decode_layer(float* x_out, const float* x_in, int M, int T, int H, int 
         for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
     tlt_small_gemm(act, M, I, wd, H, NULL, tmp, threads);
-    for (size_t i = 0; i < (size_t)M * H; i++) x_out[i] += tmp[i];
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
+    for (int m = 0; m < M; m++)
+        for (size_t i = (size_t)m * H; i < (size_t)(m + 1) * H; i++) x_out[i] += tmp[i];
 }
 
 // ---- bf16 models (CPUs with AVX512-BF16): the same layer over bf16 weights, activations and KV cache ----------
@@ -111,7 +118,11 @@ void tlt_cached_attention_bf16kv(const float* q, int64_t q_sb, int64_t q_st, int
                                  int B, int T, int nh, int nkv, int D, float scale, int threads);
 
 static void bf16_to_f32(const uint16_t* x, size_t n, float* y) {
-    for (size_t i = 0; i < n; i++) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + i))), 16)));
+    for (; i < n; i++) {
         uint32_t u = (uint32_t)x[i] << 16;
         memcpy(y + i, &u, 4);
     }
@@ -137,17 +148,20 @@ void tlt_decode_layer_bf16(uint16_t* x_out, const uint16_t* x_in, int M, int T, 
     float *xo = x + (size_t)M * H, *w1 = xo + (size_t)M * H, *w2 = w1 + H, *wq = w2 + H, *wk = wq + D;
     uint16_t* xb = (uint16_t*)(wk + D);
 
-    bf16_to_f32(x_in, (size_t)M * H, x);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
+    for (int m = 0; m < M; m++) bf16_to_f32(x_in + (size_t)m * H, H, x + (size_t)m * H);
     bf16_to_f32(ln2, H, w2);
     if (q_norm) bf16_to_f32(q_norm, D, wq);
     if (k_norm) bf16_to_f32(k_norm, D, wk);
     const float* hin = x;
     if (ln1) {
         bf16_to_f32(ln1, H, w1);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
         for (int m = 0; m < M; m++) rms_norm(x + (size_t)m * H, w1, H, eps, h + (size_t)m * H);
         hin = h;
     }
     gemm_bf16(hin, M, H, xb, wqkv, W, bqkv, qkv, threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
     for (int m = 0; m < M; m++) {
         float* row = qkv + (size_t)m * W;
         const float *c = cos + (size_t)m * D, *s = ssin + (size_t)m * D;
@@ -169,9 +183,13 @@ void tlt_decode_layer_bf16(uint16_t* x_out, const uint16_t* x_in, int M, int T, 
                                 B, T, nh, nkv, D, 1.0f / sqrtf((float)D), threads);
 
     gemm_bf16(attn, M, nh * D, xb, wo, H, NULL, tmp, threads);
-    for (size_t i = 0; i < (size_t)M * H; i++) xo[i] = x[i] + tmp[i];
-    for (int m = 0; m < M; m++) rms_norm(xo + (size_t)m * H, w2, H, eps, h + (size_t)m * H);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
+    for (int m = 0; m < M; m++) {
+        for (size_t i = (size_t)m * H; i < (size_t)(m + 1) * H; i++) xo[i] = x[i] + tmp[i];
+        rms_norm(xo + (size_t)m * H, w2, H, eps, h + (size_t)m * H);
+    }
     gemm_bf16(h, M, H, xb, wgu, 2 * I, NULL, gu, threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
     for (int m = 0; m < M; m++) {  // silu(g) * u = g / (1 + exp(-g)) * u
         const float *g = gu + (size_t)m * 2 * I, *u = g + I;
         float* a = act + (size_t)m * I;
@@ -185,6 +203,9 @@ void tlt_decode_layer_bf16(uint16_t* x_out, const uint16_t* x_in, int M, int T, 
         for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
     gemm_bf16(act, M, I, xb, wd, H, NULL, tmp, threads);
-    for (size_t i = 0; i < (size_t)M * H; i++) xo[i] += tmp[i];
-    tlt_f32_to_bf16(xo, (int64_t)M * H, x_out);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
+    for (int m = 0; m < M; m++) {
+        for (size_t i = (size_t)m * H; i < (size_t)(m + 1) * H; i++) xo[i] += tmp[i];
+        tlt_f32_to_bf16(xo + (size_t)m * H, H, x_out + (size_t)m * H);
+    }
 }
