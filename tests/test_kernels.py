@@ -273,6 +273,25 @@ def test_blocked_argmax_is_torch_argmax_with_first_max_ties(V):
     assert argmax(x)[0] == 3 and argmax(x)[1] == V // 2 and argmax(x)[2] == 0
 
 
+def count_fused_calls(monkeypatch) -> list:
+    """A list that grows by one item per call of the fused layer (kernels.decode_layer) from the decoder."""
+    calls, real = [], kernels.decode_layer
+    monkeypatch.setattr("tlt.models.decoder.decode_layer", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def fused_and_controls(layer, x, cos, sin, k, v, lens, T, tree):
+    """Under backend("fused"): the cached forward (output, k, v), and the outputs with one tree-mask entry flipped
+    and with the rotary phase shifted by one row (the negative controls)."""
+    chunk = T > SMALL_QUERY_CPU
+    flipped = tree.clone()
+    flipped[0, 0] = not flipped[0, 0]
+    with kernels.backend("fused"):
+        return (_cached_forward(layer, x, cos, sin, k, v, lens, T, tree, chunk),
+                _cached_forward(layer, x, cos, sin, k, v, lens, T, flipped, chunk)[0],
+                _cached_forward(layer, x, cos.roll(1, 0), sin.roll(1, 0), k, v, lens, T, tree, chunk)[0])
+
+
 def _cached_forward(layer, x, cos, sin, k, v, lens, T, tree, fused=False):
     """One cached forward of `layer` for x [B, T, H] at cache lengths `lens` (S = tree width - T speculative
     entries already in the cache) -> (output, k, v): the caches are copies, written by the forward."""
@@ -321,16 +340,8 @@ def test_fused_decode_layer_equals_the_layers_torch_ops(family, T, monkeypatch):
     one row shifted, changes the fused output beyond the tolerance."""
     layer, (x, cos, sin, k, v, lens, tree) = _random_layer(family, T)
 
-    calls = []
-    real = kernels.decode_layer
-    monkeypatch.setattr("tlt.models.decoder.decode_layer", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    chunk = T > SMALL_QUERY_CPU
-    with kernels.backend("fused"):
-        fused = _cached_forward(layer, x, cos, sin, k, v, lens, T, tree, chunk)
-        flipped = tree.clone()
-        flipped[0, 0] = not flipped[0, 0]
-        wrong_mask = _cached_forward(layer, x, cos, sin, k, v, lens, T, flipped, chunk)[0]
-        wrong_phase = _cached_forward(layer, x, cos.roll(1, 0), sin.roll(1, 0), k, v, lens, T, tree, chunk)[0]
+    calls = count_fused_calls(monkeypatch)
+    fused, wrong_mask, wrong_phase = fused_and_controls(layer, x, cos, sin, k, v, lens, T, tree)
     assert len(calls) == 3  # the fused kernel served every forward above
     with kernels.backend("torch"):
         ref = _cached_forward(layer, x, cos, sin, k, v, lens, T, tree)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import tlt
-from tests.test_kernels import _cached_forward, _random_layer
+from tests.test_kernels import _cached_forward, _random_layer, count_fused_calls, fused_and_controls
 from tlt.device import cpu_has_avx512_bf16
 from tlt.models import kernels
 from tlt.models.kernels import linear
@@ -88,16 +88,8 @@ def test_fused_bf16_layer_is_as_close_to_fp32_as_torchs_bf16_ops(family, T, monk
     were, by mutation, a dropped qkv bias and the MLP's output scaled by 0.95; a 1% error in one op is within the
     bf16 noise of this random layer, ~0.5-1% of its output's scale, and is not)."""
     (lb, xb, cb, sb, kb, vb, lens, tree), (l32, x32, c32, s32, k32, v32, _, _) = _bf16_case(family, T)
-    calls = []
-    real = kernels.decode_layer
-    monkeypatch.setattr("tlt.models.decoder.decode_layer", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    chunk = T > 32
-    with kernels.backend("fused"):
-        fused = _cached_forward(lb, xb, cb, sb, kb, vb, lens, T, tree, chunk)
-        flipped = tree.clone()
-        flipped[0, 0] = not flipped[0, 0]
-        wrong_mask = _cached_forward(lb, xb, cb, sb, kb, vb, lens, T, flipped, chunk)[0]
-        wrong_phase = _cached_forward(lb, xb, cb.roll(1, 0), sb.roll(1, 0), kb, vb, lens, T, tree, chunk)[0]
+    calls = count_fused_calls(monkeypatch)
+    fused, wrong_mask, wrong_phase = fused_and_controls(lb, xb, cb, sb, kb, vb, lens, T, tree)
     assert len(calls) == 3 and fused[0].dtype == torch.bfloat16  # the bf16 fused kernel served them
     with kernels.backend("torch"):
         ref = _cached_forward(l32, x32, c32, s32, k32, v32, lens, T, tree)
@@ -132,9 +124,7 @@ def test_bf16_fused_layer_only_where_it_can_run():
 def test_bf16_engine_logprobs_match_an_fp32_forward(tiny_llama_dir, monkeypatch):
     """A bf16 engine on the fused bf16 layer: every returned logprob equals an fp32 full-sequence forward of the
     same (bf16-valued) weights over the generated tokens, to bf16 accuracy; a wrong position is far off."""
-    calls = []
-    real = kernels.decode_layer
-    monkeypatch.setattr("tlt.models.decoder.decode_layer", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = count_fused_calls(monkeypatch)
     llm = tlt.LLM(model=tiny_llama_dir, dtype="bfloat16", device="cpu", skip_tokenizer_init=True)
     prompts = [[5, 9, 2, 7], [3, 1], [11, 12, 13, 14, 15, 16]]
     outs = llm.generate(prompt_token_ids=prompts,

@@ -43,6 +43,35 @@ static void rotate(float* x, const float* cos, const float* ssin, int D) {
     memcpy(x, tmp, sizeof(float) * D);
 }
 
+// One row of the qkv projection [(nh + 2 nkv) D], in place: q and k heads normed per head (Qwen3, when the norm
+// weights are given), then rotated at the row's position.
+static void norm_rotate(float* row, int nh, int nkv, int D, const float* q_norm, const float* k_norm, float eps,
+                        const float* cos, const float* ssin) {
+    for (int hd = 0; hd < nh + nkv; hd++) {
+        float* x = row + (size_t)hd * D;
+        const float* nw = hd < nh ? q_norm : k_norm;
+        if (nw) rms_norm(x, nw, D, eps, x);
+        rotate(x, cos, ssin, D);
+    }
+}
+
+// act [M, I] = silu(g) * u = g / (1 + exp(-g)) * u, with g, u the halves of each row of gu [M, 2 I]
+static void silu_mul(const float* gu, int M, int I, float* act, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
+    for (int m = 0; m < M; m++) {
+        const float *g = gu + (size_t)m * 2 * I, *u = g + I;
+        float* a = act + (size_t)m * I;
+        int i = 0;
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(a + i, _mm256_mul_ps(sv, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
 void tlt_decode_layer(float* x_out, const float* x_in, int M, int T, int H, int I, int nh, int nkv, int D,
                       const float* ln1, const float* ln2, const float* q_norm, const float* k_norm, float eps,
                       const float* wqkv, const float* bqkv, const float* wo, const float* wgu, const float* wd,
@@ -62,13 +91,7 @@ void tlt_decode_layer(float* x_out, const float* x_in, int M, int T, int H, int 
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
     for (int m = 0; m < M; m++) {
         float* row = qkv + (size_t)m * W;
-        const float *c = cos + (size_t)m * D, *s = ssin + (size_t)m * D;
-        for (int hd = 0; hd < nh + nkv; hd++) {
-            float* x = row + (size_t)hd * D;
-            const float* nw = hd < nh ? q_norm : k_norm;
-            if (nw) rms_norm(x, nw, D, eps, x);
-            rotate(x, c, s, D);
-        }
+        norm_rotate(row, nh, nkv, D, q_norm, k_norm, eps, cos + (size_t)m * D, ssin + (size_t)m * D);
         int64_t slot = s0 + m / T, col = cols[m];
         for (int kh = 0; kh < nkv; kh++) {
             size_t at = (((size_t)slot * nkv + kh) * cap + (size_t)col) * D;
@@ -87,19 +110,7 @@ void tlt_decode_layer(float* x_out, const float* x_in, int M, int T, int H, int 
         rms_norm(x_out + (size_t)m * H, ln2, H, eps, h + (size_t)m * H);
     }
     tlt_small_gemm(h, M, H, wgu, 2 * I, NULL, gu, threads);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
-    for (int m = 0; m < M; m++) {  // silu(g) * u = g / (1 + exp(-g)) * u
-        const float *g = gu + (size_t)m * 2 * I, *u = g + I;
-        float* a = act + (size_t)m * I;
-        int i = 0;
-        for (; i + 8 <= I; i += 8) {
-            __m256 gv = _mm256_loadu_ps(g + i);
-            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-            _mm256_storeu_ps(a + i, _mm256_mul_ps(sv, _mm256_loadu_ps(u + i)));
-        }
-        for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+    silu_mul(gu, M, I, act, threads);
     tlt_small_gemm(act, M, I, wd, H, NULL, tmp, threads);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
     for (int m = 0; m < M; m++)
@@ -164,13 +175,8 @@ void tlt_decode_layer_bf16(uint16_t* x_out, const uint16_t* x_in, int M, int T, 
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
     for (int m = 0; m < M; m++) {
         float* row = qkv + (size_t)m * W;
-        const float *c = cos + (size_t)m * D, *s = ssin + (size_t)m * D;
-        for (int hd = 0; hd < nh + nkv; hd++) {
-            float* xh = row + (size_t)hd * D;
-            const float* nw = hd < nh ? (q_norm ? wq : NULL) : (k_norm ? wk : NULL);
-            if (nw) rms_norm(xh, nw, D, eps, xh);
-            rotate(xh, c, s, D);
-        }
+        norm_rotate(row, nh, nkv, D, q_norm ? wq : NULL, k_norm ? wk : NULL, eps, cos + (size_t)m * D,
+                    ssin + (size_t)m * D);
         int64_t slot = s0 + m / T, col = cols[m];
         for (int kh = 0; kh < nkv; kh++) {
             size_t at = (((size_t)slot * nkv + kh) * cap + (size_t)col) * D;
@@ -189,19 +195,7 @@ void tlt_decode_layer_bf16(uint16_t* x_out, const uint16_t* x_in, int M, int T, 
         rms_norm(xo + (size_t)m * H, w2, H, eps, h + (size_t)m * H);
     }
     gemm_bf16(h, M, H, xb, wgu, 2 * I, NULL, gu, threads);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
-    for (int m = 0; m < M; m++) {  // silu(g) * u = g / (1 + exp(-g)) * u
-        const float *g = gu + (size_t)m * 2 * I, *u = g + I;
-        float* a = act + (size_t)m * I;
-        int i = 0;
-        for (; i + 8 <= I; i += 8) {
-            __m256 gv = _mm256_loadu_ps(g + i);
-            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-            _mm256_storeu_ps(a + i, _mm256_mul_ps(sv, _mm256_loadu_ps(u + i)));
-        }
-        for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+    silu_mul(gu, M, I, act, threads);
     gemm_bf16(act, M, I, xb, wd, H, NULL, tmp, threads);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
     for (int m = 0; m < M; m++) {
