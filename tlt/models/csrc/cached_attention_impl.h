@@ -1,5 +1,6 @@
 // The body of tlt/models/csrc/cached_attention.c, included once per KV-cache element type: KV_T (float or
 // uint16_t bf16 bits), LOAD8 (8 keys or values -> __m256), ONE_HEAD and CACHED_ATTENTION (the names).
+
 // One (row b, KV head) pair: its g * T query rows, one at a time (their keys stay in L1/L2 between rows).
 static void ONE_HEAD(const float* q, int64_t q_st, int64_t q_sh, const KV_T* k, const KV_T* v, int n,
                      const float* bias, int64_t bias_st, float* out, int64_t out_st, int T, int g, int h0, int D,
