@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tlt.models.config import ModelConfig
-from tlt.models.kernels import (LayerWeights, Linear, attention_bias, decode_layer, decode_layer_ok, linear,
-                                small_query_attention)
+from tlt.models.kernels import (LayerInputs, LayerWeights, Linear, attention_bias, decode_layer, decode_layer_ok,
+                                layer_inputs, linear, small_query_attention)
 
 SMALL_QUERY = 16  # new tokens per row up to which cached attention uses small_query_attention
 SMALL_QUERY_CPU = 32  # on CPU: covers the CPU arm table's largest verify tree (17 tokens), so every SD step runs the
@@ -203,8 +203,9 @@ class DecoderLayer(nn.Module):
         if plan is not None and plan.bias is not None:  # a few new tokens a row: one fused kernel call if it can
             w, kc = self.weights(), cache.k[self.self_attn.layer_idx]
             if decode_layer_ok(x, w, kc):
-                return decode_layer(x, w, cos, sin, kc, cache.v[self.self_attn.layer_idx], cache.slot_start,
-                                    plan.cols, plan.n_keys, plan.bias)
+                if plan.fused_inputs is None:  # the layers of a forward share cos / sin / plan: convert them once
+                    plan.fused_inputs = layer_inputs(cos, sin, plan.cols, plan.n_keys, plan.bias)
+                return decode_layer(x, w, kc, cache.v[self.self_attn.layer_idx], cache.slot_start, plan.fused_inputs)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -241,6 +242,7 @@ class CachePlan:
     length: int                    # keys to attend over: max cached + S + T
     bias: torch.Tensor | None      # [B, 1, 1, T, capacity] 0 / -inf for few new tokens (see cache_mask); else None
     n_keys: torch.Tensor           # [B] keys row b attends over at most: cached + S + T
+    fused_inputs: LayerInputs | None = None  # the fused layer's fp32 / int64 copies, made by its first layer
 
 
 def cache_mask(cache: CacheView, T: int, device, fused: bool = False) -> tuple[torch.Tensor, CachePlan]:

@@ -1,8 +1,6 @@
 """CPU inference fast paths, used by the decoder wherever autograd is off (rollout, scoring, drafting).
 
 `linear` serves an inference matmul (CPU, autograd off) from a copy of the weight laid out for a faster kernel:
-- bf16: a oneDNN-prepacked weight. Bit-identical to F.linear and about 2x faster at decode batch sizes on a CPU
-  with avx512_bf16 (a [1, 576] x [576, 3072] matmul: 115 -> 59 us on one EPYC core).
 - fp32 on an AVX2 or AVX-512 CPU, up to SMALL_GEMM_MAX_ROWS rows: tlt's own kernel (csrc/small_gemm.c, AVX2 +
   FMA, built with the system C compiler on first use into the cache). The weight is packed into panels of 16
   columns, each contiguous over k, so one pass streams the weight while each loaded vector feeds up to 6 rows.
@@ -14,6 +12,9 @@
   (csrc/small_gemm_bf16.c, vdpbf16ps: pairs of bf16 products summed into fp32 lanes, the output rounded to bf16
   once). Two threads on a Zen 4 EPYC, the five matmul shapes of a SmolLM2 layer + LM head: 2.0x oneDNN's bf16
   matmul at one row, parity at 4-512 rows, and its rows are batch-independent as the fp32 kernel's.
+- bf16 otherwise (more rows, no AVX512-BF16): a oneDNN-prepacked weight. Bit-identical to F.linear and about 2x
+  faster at decode batch sizes on a CPU with avx512_bf16 (a [1, 576] x [576, 3072] matmul: 115 -> 59 us on one
+  EPYC core).
 - fp32 under backend("onednn"): the oneDNN-prepacked weight (~1e-5 relative difference over a 30-layer model).
 - otherwise, and always under autograd: F.linear.
 A packed copy is keyed by the weight's identity and version counter: an optimizer step or load_state_dict bumps
@@ -140,11 +141,11 @@ def matmul_path(x: torch.Tensor, weight: torch.Tensor) -> str:
             or weight.dim() != 2 or weight.is_inference()):
         return "torch"
     rows = x.numel() // max(x.shape[-1], 1)
-    if (weight.dtype == torch.float32 and b in ("auto", "small_gemm", "fused") and rows <= SMALL_GEMM_MAX_ROWS
-            and small_gemm_lib() is not None):
+    ours = b in ("auto", "small_gemm", "fused") and small_gemm_lib() is not None  # tlt's kernels may serve
+    if ours and weight.dtype == torch.float32 and rows <= SMALL_GEMM_MAX_ROWS:
         return "small_gemm"
-    if (weight.dtype == torch.bfloat16 and b in ("auto", "small_gemm", "fused") and rows <= BF16_GEMM_MAX_ROWS
-            and x.shape[-1] % 2 == 0 and cpu_has_avx512_bf16() and small_gemm_lib() is not None):
+    if (ours and weight.dtype == torch.bfloat16 and rows <= BF16_GEMM_MAX_ROWS and x.shape[-1] % 2 == 0
+            and cpu_has_avx512_bf16()):
         return "small_gemm_bf16"
     if (b in ("auto", "onednn") and _state["onednn"] and (weight.dtype == torch.bfloat16 or
                                                           (weight.dtype == torch.float32 and
@@ -157,12 +158,11 @@ def _pack(weight: torch.Tensor, path: str):
     w = weight.detach().contiguous()
     if path == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(w, 1)
-    if path == "small_gemm_bf16":
-        N, K = w.shape
-        packed = torch.empty((N + 31) // 32 * 32 * (K + 1) // 2 * 2, dtype=torch.bfloat16)
+    N, K = w.shape
+    if path == "small_gemm_bf16":  # [panels of 32 columns][pairs of k][32][2]
+        packed = torch.empty((N + 31) // 32 * 32 * ((K + 1) // 2) * 2, dtype=torch.bfloat16)
         small_gemm_lib().tlt_pack_bf16(w.data_ptr(), N, K, packed.data_ptr())
         return packed
-    N, K = w.shape
     packed = torch.empty((N + 15) // 16 * 16 * K, dtype=torch.float32)
     small_gemm_lib().tlt_pack(w.data_ptr(), N, K, packed.data_ptr())
     return packed
@@ -316,6 +316,22 @@ class LayerWeights:
     num_kv_heads: int
 
 
+@dataclass
+class LayerInputs:
+    """What every fused layer of one cached forward reads alike, in the kernel's types: made once per forward."""
+    cos: torch.Tensor         # [B, T, 1, D] fp32 (a bf16 model's tables hold bf16 values)
+    signed_sin: torch.Tensor  # [B, T, 1, D] fp32
+    cols: torch.Tensor        # [B, T] int64 cache positions of the new tokens
+    n_keys: torch.Tensor      # [B] int64
+    bias: torch.Tensor        # [B, 1, 1, T, cap] fp32 0 / -inf
+
+
+def layer_inputs(cos: torch.Tensor, signed_sin: torch.Tensor, cols: torch.Tensor, n_keys: torch.Tensor,
+                 bias: torch.Tensor) -> LayerInputs:
+    return LayerInputs(cos.float().contiguous(), signed_sin.float().contiguous(), cols.to(torch.int64).contiguous(),
+                       n_keys.to(torch.int64).contiguous(), bias.float().contiguous())
+
+
 def decode_layer_ok(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor) -> bool:
     """Whether `decode_layer` serves this layer: on CPU without autograd, fp32 on the small-row matmul path or bf16
     on the bf16 kernel's (x, weights and cache of one dtype), and shapes its kernel handles. Off under
@@ -328,23 +344,19 @@ def decode_layer_ok(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor) -> 
             and H % 8 == 0 and w.down.shape[1] % 2 == 0 and w.num_heads % w.num_kv_heads == 0)
 
 
-def decode_layer(x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, signed_sin: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_start: int, cols: torch.Tensor,
-                 n_keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def decode_layer(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_start: int,
+                 inp: LayerInputs) -> torch.Tensor:
     """A whole decoder layer for x [B, T, H] in one kernel call (csrc/decode_layer.c), writing this step's K/V into
-    the slot cache [S, nkv, cap, D] at slot slot_start + b, positions cols [B, T]; cos / signed_sin [B, T, 1, D],
-    n_keys [B] and bias [B, 1, 1, T, cap] as for `small_query_attention`. Same arithmetic as the layer's torch ops
-    with tlt's matmul and attention kernels, up to the order of rms_norm's sum and silu's exp (~1e-6 of the
-    output's scale). In bf16 (x, weights and cache), fp32 between the matmuls: see csrc/decode_layer.c."""
+    the slot cache [S, nkv, cap, D] at slot slot_start + b, positions inp.cols; n_keys and the mask bias as for
+    `small_query_attention`. Same arithmetic as the layer's torch ops with tlt's matmul and attention kernels, up
+    to the order of rms_norm's sum and silu's exp (~1e-6 of the output's scale). In bf16 (x, weights and cache),
+    fp32 between the matmuls: see csrc/decode_layer.c."""
     B, T, H = x.shape
     nh, nkv, D = w.num_heads, w.num_kv_heads, k_cache.shape[-1]
     inter = w.down.shape[1]
     M = B * T
     ptr = lambda t: None if t is None else t.data_ptr()
-    # held in locals: a temporary's memory would be freed before the kernel reads it
-    cols, n_keys = cols.to(torch.int64).contiguous(), n_keys.to(torch.int64).contiguous()
-    # the kernels take fp32 rotary tables, mask bias and qkv bias in both dtypes (a bf16 model's are bf16 values)
-    cos, signed_sin, bias = cos.float().contiguous(), signed_sin.float().contiguous(), bias.float().contiguous()
+    # held in a local: a temporary's memory would be freed before the kernel reads it. fp32 in both dtypes.
     qkv_bias = None if w.qkv_bias is None else w.qkv_bias.float().contiguous()
     floats = M * ((nh + 2 * nkv) * D + nh * D + 2 * H + 3 * inter)
     if x.dtype == torch.float32:
@@ -356,7 +368,7 @@ def decode_layer(x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, signed_sin
     out = torch.empty_like(x)
     fn(out.data_ptr(), x.data_ptr(), M, T, H, inter, nh, nkv, D, ptr(w.ln1), w.ln2.data_ptr(), ptr(w.q_norm),
        ptr(w.k_norm), w.eps, _packed(w.qkv, path).data_ptr(), ptr(qkv_bias), _packed(w.o, path).data_ptr(),
-       _packed(w.gate_up, path).data_ptr(), _packed(w.down, path).data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
-       k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], slot_start, cols.data_ptr(), n_keys.data_ptr(),
-       bias.data_ptr(), work.data_ptr(), torch.get_num_threads())
+       _packed(w.gate_up, path).data_ptr(), _packed(w.down, path).data_ptr(), inp.cos.data_ptr(),
+       inp.signed_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], slot_start,
+       inp.cols.data_ptr(), inp.n_keys.data_ptr(), inp.bias.data_ptr(), work.data_ptr(), torch.get_num_threads())
     return out
