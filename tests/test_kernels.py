@@ -419,3 +419,36 @@ def test_token_logprobs_kernel_matches_log_softmax(V):
     assert torch.equal(target_logprobs(x, temp, ids), got)  # the engine's path takes the kernel
     for r in (0, 5):
         assert torch.equal(kernels.token_logprobs(x[r:r + 1], temp[r:r + 1], ids[r:r + 1]), got[r:r + 1])
+
+
+@needs_small_gemm
+@pytest.mark.parametrize("V", [49152, 1003])
+def test_greedy_logprobs_kernel_is_argmax_and_token_logprobs(V):
+    """csrc/logprobs.c's greedy pass: the index is logits.argmax(-1) (first maximum on ties: inside a lane, across
+    lanes, in the tail past the last 8 lanes, an all-equal row), and the log-prob is bit for bit token_logprobs' at
+    T = 0 for that index; the engine's greedy sampler takes it. A NaN row is left to torch (None)."""
+    from tlt.engine.sampler import greedy
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(8, V, generator=g).to(torch.bfloat16).float() * 4  # bf16 values: many exact ties
+    x[0, 3] = x[0, V - 1] = 99.0       # tie across lanes and the tail: the first one wins
+    x[1, 9] = x[1, 17] = 99.0          # tie inside one lane (9 and 17 share lane 1)
+    x[2, 10] = x[2, 9] = 99.0          # tie across neighbouring lanes
+    x[3] = 0.0                         # all equal
+    x[4, V - 1] = 99.0                 # the maximum in the tail (V = 1003) or the last vector
+    x[5, : V // 2] = float("-inf")     # masked half
+    got = kernels.greedy_logprobs(x)
+    assert got is not None
+    ids, lps = got
+    assert torch.equal(ids, x.argmax(-1))
+    assert ids[:5].tolist() == [3, 9, 9, 0, V - 1]
+    assert torch.equal(lps, kernels.token_logprobs(x, torch.zeros(8), ids))
+    with kernels.backend("torch"):
+        ref = x.log_softmax(-1).gather(1, x.argmax(-1)[:, None])[:, 0]
+    assert ((lps - ref).abs() <= 2e-5 + 2e-6 * ref.abs()).all()
+    assert torch.equal(greedy(x)[0], ids) and torch.equal(greedy(x)[1], lps)
+    with kernels.backend("torch"):  # the fallback: the same pair from torch's argmax and log_softmax
+        ids_t, lps_t = greedy(x)
+    assert torch.equal(ids_t, ids) and ((lps_t - lps).abs() <= 2e-5 + 2e-6 * lps.abs()).all()
+    x[6, 5] = float("nan")
+    assert kernels.greedy_logprobs(x) is None
+    assert greedy(x)[0][6] == 5  # torch's rule: a NaN is the maximum

@@ -139,3 +139,21 @@ def test_bf16_engine_logprobs_match_an_fp32_forward(tiny_llama_dir, monkeypatch)
         got = torch.tensor(o.outputs[0].logprobs)
         torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
         assert not torch.allclose(got[1:], want[:-1], atol=0.05, rtol=0.02)
+
+
+def test_small_gemm_bf16_logits_sized_output_streams_the_same_values():
+    """An fp32 output of 4 MiB or more (the LM head's logits) is written with non-temporal stores: the same values,
+    bit for bit, as the rows computed alone (a normally stored output), and the float64 product within fp32 sums.
+    Odd N keeps the normal stores (the streamed path needs 16-float rows): checked too."""
+    g = torch.Generator().manual_seed(0)
+    for N in (49152, 49151):
+        w = torch.randn(N, 64, generator=g).bfloat16()
+        x = torch.randn(24, 64, generator=g).bfloat16()
+        with torch.inference_mode():
+            full = linear(x, w, out_fp32=True)  # 24 x N x 4 bytes > 4 MiB
+            assert full.dtype == torch.float32 and full.numel() * 4 >= 4 << 20
+            for r in (0, 7, 23):
+                assert torch.equal(linear(x[r:r + 1], w, out_fp32=True), full[r:r + 1])
+            ref = F.linear(x.double(), w.double())
+            assert ((full.double() - ref).abs() <= 1e-5 * float(ref.abs().max())).all()
+            assert not ((full.roll(1, -1).double() - ref).abs() <= 1e-5 * float(ref.abs().max())).all()

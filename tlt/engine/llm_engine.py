@@ -18,7 +18,7 @@ import torch
 from tlt.engine.kv_cache import KVCache
 from tlt.engine.model_runner import ModelRunner
 from tlt.engine.params import SamplingParams
-from tlt.engine.sampler import argmax, sample_from, target_logprobs, transform_logits
+from tlt.engine.sampler import greedy, sample_from, target_logprobs, transform_logits
 from tlt.engine.scheduler import Scheduler
 from tlt.engine.sequence import Sequence
 from tlt.models.decoder import Decoder
@@ -113,16 +113,16 @@ class LLMEngine:
 
     def _append_sampled(self, seqs: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor) -> list[Sequence]:
         """Sample one token per row from logits [B, V]; hidden [B, H] produced them."""
-        temp = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
         if all(s.params.temperature == 0 for s in seqs):
-            ids = argmax(logits)
+            ids, lps = greedy(logits)
         else:
+            temp = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
             top_k = torch.tensor([s.params.top_k for s in seqs], device=logits.device)
             top_p = torch.tensor([s.params.top_p for s in seqs], device=logits.device)
             probs = transform_logits(logits, temp, top_k, top_p)
             u = torch.cat([torch.rand(1, generator=s.generator) for s in seqs]).to(logits.device)
             ids = sample_from(probs, u)
-        lps = target_logprobs(logits, temp, ids)
+            lps = target_logprobs(logits, temp, ids)
         return self.append_tokens(seqs, [[t] for t in ids.tolist()], [[x] for x in lps.tolist()],
                                   hidden[:, None])
 

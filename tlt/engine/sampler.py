@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tlt.models.kernels import token_logprobs
+from tlt.models.kernels import greedy_logprobs, token_logprobs
 
 
 def transform_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -46,6 +46,15 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     blocks = logits.reshape(N, V // block, block)
     first = blocks.amax(-1).argmax(-1)
     return first * block + blocks[torch.arange(N, device=logits.device), first].argmax(-1)
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy rows: (argmax(logits), target_logprobs(logits, 0, those ids)), in one kernel call on CPU."""
+    fast = greedy_logprobs(logits)
+    if fast is not None:
+        return fast
+    ids = argmax(logits)
+    return ids, target_logprobs(logits, torch.zeros(logits.shape[0], device=logits.device), ids)
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

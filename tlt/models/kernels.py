@@ -123,6 +123,7 @@ def small_gemm_lib():
             lib.tlt_decode_layer.argtypes = [vp, vp, *[i32] * 7, *[vp] * 4, ctypes.c_float, *[vp] * 7, vp, vp, i32,
                                              i32, vp, vp, vp, vp, i32]
             lib.tlt_token_logprobs.argtypes = [vp, i32, i32, vp, vp, vp, i32]
+            lib.tlt_greedy_logprobs.argtypes = [vp, i32, i32, vp, vp, i32]
             lib.tlt_pack_bf16.argtypes = [vp, i32, i32, vp]
             lib.tlt_small_gemm_bf16.argtypes = [vp, i32, i32, i64, vp, i32, vp, vp, vp, i32]
             lib.tlt_decode_layer_bf16.argtypes = lib.tlt_decode_layer.argtypes
@@ -283,12 +284,17 @@ def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
     return out
 
 
+def _logprobs_kernel_ok(logits: torch.Tensor) -> bool:
+    return (_state["backend"] != "torch" and logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.dim() == 2 and not (torch.is_grad_enabled() and logits.requires_grad)
+            and small_gemm_lib() is not None)
+
+
 def token_logprobs(logits: torch.Tensor, temperature: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
     """log softmax(logits / T)[ids] per row (T <= 0: T = 1), logits [N, V] fp32 on CPU, through csrc/logprobs.c
     (one pass for the max and one for the sum, no [N, V] output); None where it does not serve (the caller then
     uses torch's log_softmax)."""
-    if (_state["backend"] == "torch" or logits.device.type != "cpu" or logits.dtype != torch.float32
-            or logits.dim() != 2 or (torch.is_grad_enabled() and logits.requires_grad) or small_gemm_lib() is None):
+    if not _logprobs_kernel_ok(logits):
         return None
     x = logits.contiguous()
     t = temperature.to(torch.float32).contiguous()
@@ -297,6 +303,23 @@ def token_logprobs(logits: torch.Tensor, temperature: torch.Tensor, ids: torch.T
     small_gemm_lib().tlt_token_logprobs(x.data_ptr(), x.shape[0], x.shape[1], t.data_ptr(), i.data_ptr(),
                                         out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(logits.argmax(-1), its log-prob under the raw softmax) for logits [N, V] fp32 on CPU in one kernel call
+    (csrc/logprobs.c): the max pass finds the index too, so the pair costs what `token_logprobs` alone does, and the
+    log-prob is bit for bit token_logprobs' at T = 0. None where it does not serve, or when a row holds NaN (whose
+    argmax is the NaN, as torch's)."""
+    if not _logprobs_kernel_ok(logits):
+        return None
+    x = logits.contiguous()
+    ids = torch.empty(x.shape[0], dtype=torch.int64)
+    out = torch.empty(x.shape[0], dtype=torch.float32)
+    small_gemm_lib().tlt_greedy_logprobs(x.data_ptr(), x.shape[0], x.shape[1], ids.data_ptr(), out.data_ptr(),
+                                         torch.get_num_threads())
+    if bool(out.isnan().any()):  # a NaN logit (the sum is NaN): leave the row's argmax to torch's rule
+        return None
+    return ids, out
 
 
 @dataclass
