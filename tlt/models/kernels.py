@@ -160,8 +160,8 @@ def _pack(weight: torch.Tensor, path: str):
     if path == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(w, 1)
     N, K = w.shape
-    if path == "small_gemm_bf16":  # [panels of 32 columns][pairs of k][32][2]
-        packed = torch.empty((N + 31) // 32 * 32 * ((K + 1) // 2) * 2, dtype=torch.bfloat16)
+    if path == "small_gemm_bf16":  # [panels of 64 columns][pairs of k][64][2]
+        packed = torch.empty((N + 63) // 64 * 64 * ((K + 1) // 2) * 2, dtype=torch.bfloat16)
         small_gemm_lib().tlt_pack_bf16(w.data_ptr(), N, K, packed.data_ptr())
         return packed
     packed = torch.empty((N + 15) // 16 * 16 * K, dtype=torch.float32)
