@@ -452,3 +452,48 @@ def test_greedy_logprobs_kernel_is_argmax_and_token_logprobs(V):
     x[6, 5] = float("nan")
     assert kernels.greedy_logprobs(x) is None
     assert greedy(x)[0][6] == 5  # torch's rule: a NaN is the maximum
+
+
+needs_avx512 = pytest.mark.skipif(kernels.small_gemm_lib() is None or kernels._cpu_capability() != "AVX512",
+                                  reason="no AVX-512: the fp32 kernels' two layouts cannot be compared here")
+
+
+@needs_avx512
+def test_fp32_kernel_layouts_give_the_same_bits():
+    """csrc/small_gemm.c packs fp32 weights in panels of 64 columns on AVX-512 CPUs and of 16 on AVX2 ones; each
+    output is the same chain of FMAs over k either way, so both give the same bits: rows around the 6-row passes,
+    ragged panels (N = 100, 20), odd K, bias or none. Then the engine end to end (the fused layer, its LM head and
+    the greedy log-probs): the same tokens and log-probs bit for bit. Negative control: the layouts differ (a
+    weight packed for one read by the other is wrong)."""
+    g = torch.Generator().manual_seed(0)
+    for K in (72, 75):
+        x = torch.randn(300, K, generator=g)
+        for N, bias in ((100, torch.randn(100, generator=g)), (100, None), (20, None)):
+            w = torch.randn(N, K, generator=g)
+            out, packs = {}, {}
+            for wide in (False, True):
+                with kernels.fp32_layout(wide), torch.inference_mode():
+                    packs[wide] = kernels._pack(w, "small_gemm")
+                    out[wide] = [kernels._small_gemm(x[:rows], packs[wide], N, bias) for rows in (1, 5, 6, 7, 13, 64, 300)]
+            assert all(torch.equal(a, b) for a, b in zip(out[False], out[True]))
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            assert ((out[True][-1].double() - ref).abs() <= 1e-5 * float(ref.abs().max())).all()
+    w = torch.randn(128, 72, generator=g)  # 128 columns: the same packed size in both layouts
+    with kernels.fp32_layout(False), torch.inference_mode():
+        narrow = kernels._pack(w, "small_gemm")
+        want = kernels._small_gemm(x[:8, :72], narrow, 128, None)
+    with kernels.fp32_layout(True), torch.inference_mode():
+        assert not torch.allclose(kernels._small_gemm(x[:8, :72], narrow, 128, None), want)
+        assert torch.equal(kernels._small_gemm(x[:8, :72], kernels._pack(w, "small_gemm"), 128, None), want)
+
+
+@needs_avx512
+def test_engine_same_bits_in_both_fp32_layouts(tiny_llama_dir):
+    llm = tlt.LLM(model=tiny_llama_dir, dtype="float32", device="cpu", skip_tokenizer_init=True)
+    prompts = [[5, 9, 2, 7], [3, 1], [11, 12, 13, 14, 15, 16]]
+    runs = {}
+    for wide in (False, True):
+        with kernels.fp32_layout(wide):
+            runs[wide] = _greedy(llm, prompts)
+            assert any(k[1] == "small_gemm" for k in kernels._PACKED)  # the kernels served
+    assert runs[False] == runs[True]

@@ -86,6 +86,24 @@ def backend(name: str):
         _state["backend"] = before
 
 
+@contextlib.contextmanager
+def fp32_layout(wide: bool):
+    """Tests: run the fp32 kernels in the AVX-512 layout (wide, where the CPU has AVX-512) or the AVX2 one inside a
+    block (csrc/small_gemm.c: the same bits either way). fp32 weights are packed anew inside and after it."""
+    lib = small_gemm_lib()
+
+    def repack() -> None:
+        for key in [k for k in _PACKED if k[1] == "small_gemm"]:
+            _PACKED.pop(key, None)
+    lib.tlt_fp32_set_layout(int(wide))
+    repack()
+    try:
+        yield
+    finally:
+        lib.tlt_fp32_set_layout(-1)
+        repack()
+
+
 @functools.cache  # asked on every inference matmul: the answer never changes in a process
 def _cpu_capability() -> str:
     try:
@@ -116,6 +134,7 @@ def small_gemm_lib():
             lib = ctypes.CDLL(str(out / "small_gemm.so"))  # after torch: binds torch's own libgomp
             vp, i32 = ctypes.c_void_p, ctypes.c_int
             lib.tlt_pack.argtypes = [vp, i32, i32, vp]
+            lib.tlt_fp32_set_layout.argtypes = [i32]
             lib.tlt_small_gemm.argtypes = [vp, i32, i32, vp, i32, vp, vp, i32]
             i64 = ctypes.c_int64
             lib.tlt_cached_attention.argtypes = [vp, i64, i64, i64, vp, vp, i32, vp, vp, vp, i32, i32, i32, i32, i32,
@@ -164,7 +183,8 @@ def _pack(weight: torch.Tensor, path: str):
         packed = torch.empty((N + 63) // 64 * 64 * ((K + 1) // 2) * 2, dtype=torch.bfloat16)
         small_gemm_lib().tlt_pack_bf16(w.data_ptr(), N, K, packed.data_ptr())
         return packed
-    packed = torch.empty((N + 15) // 16 * 16 * K, dtype=torch.float32)
+    P = small_gemm_lib().tlt_fp32_panel_width()  # 16 (AVX2) or 64 (AVX-512) columns a panel
+    packed = torch.empty((N + P - 1) // P * P * K, dtype=torch.float32)
     small_gemm_lib().tlt_pack(w.data_ptr(), N, K, packed.data_ptr())
     return packed
 
