@@ -1,17 +1,19 @@
 """CPU inference fast paths, used by the decoder wherever autograd is off (rollout, scoring, drafting).
 
 `linear` serves an inference matmul (CPU, autograd off) from a copy of the weight laid out for a faster kernel:
-- fp32 on an AVX2 or AVX-512 CPU, up to SMALL_GEMM_MAX_ROWS rows: tlt's own kernel (csrc/small_gemm.c, AVX2 +
-  FMA, built with the system C compiler on first use into the cache). The weight is packed into panels of 16
-  columns, each contiguous over k, so one pass streams the weight while each loaded vector feeds up to 6 rows.
+- fp32 on an AVX2 or AVX-512 CPU, up to SMALL_GEMM_MAX_ROWS rows: tlt's own kernel (csrc/small_gemm.c, built with
+  the system C compiler on first use into the cache). The weight is packed into panels of 16 columns (AVX2 + FMA)
+  or 64 (AVX-512, chosen at run time; the same bits), each contiguous over k, so one pass streams the weight while
+  each loaded vector feeds up to 6 rows.
   MKL's sgemm reads the weight at a third of the memory bandwidth for a few rows; every matmul of a SmolLM2 decode
   step at 4 rows takes 27.5 ms here against 79 ms (one core of an AVX2 EPYC). On an AVX-512 Zen 4 EPYC it beats
   oneDNN's prepacked fp32 matmul too (the five matmul shapes of a SmolLM2 layer + LM head, two threads: 1.67x at 4
   rows, 1.35x at 16, 1.14x at 64, parity at 256-512). Sums run in another order than MKL (~1e-6 relative).
 - bf16 on a CPU with AVX512-BF16, up to BF16_GEMM_MAX_ROWS rows: tlt's bf16 twin of that kernel
   (csrc/small_gemm_bf16.c, vdpbf16ps: pairs of bf16 products summed into fp32 lanes, the output rounded to bf16
-  once). Two threads on a Zen 4 EPYC, the five matmul shapes of a SmolLM2 layer + LM head: 2.0x oneDNN's bf16
-  matmul at one row, parity at 4-512 rows, and its rows are batch-independent as the fp32 kernel's.
+  once; panels of 64 columns). Two threads on a Zen 4 EPYC, the five matmul shapes of a SmolLM2 layer + LM head:
+  2.0x oneDNN's bf16 matmul at one row and parity at 4-512 rows with 32-column panels, which 64-column ones beat by
+  1.1-1.2x at 1-64 rows; its rows are batch-independent as the fp32 kernel's.
 - bf16 otherwise (more rows, no AVX512-BF16): a oneDNN-prepacked weight. Bit-identical to F.linear and about 2x
   faster at decode batch sizes on a CPU with avx512_bf16 (a [1, 576] x [576, 3072] matmul: 115 -> 59 us on one
   EPYC core).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterator
@@ -253,7 +254,9 @@ class Actor:
                 for k, v in metrics.items():
                     sums[k] += v
                     counts[k] += 1
-        self.scheduler.step()
+        with warnings.catch_warnings():  # the schedule counts training steps, also one whose update was skipped
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            self.scheduler.step()
         self.model.eval()
         out = {k: sums[k] / counts[k] for k in sums}
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
