@@ -8,7 +8,8 @@ of settings; TRL gets the translation: the same model directory, the same train 
 on both sides), group size rollout.n, data.train_batch_size prompts per step, max_response_length, temperature /
 top_p / top_k, AdamW lr / betas / weight decay / grad clip, constant lr, clip ratios, token-mean loss ("dapo"),
 KL coefficient (0 unless actor.use_kl_loss) and the same reward (tlt's RewardManager on tlt's parsed rows). Gradient
-checkpointing and bf16 off, fp32 on CPU, like tlt here. One RL step in TRL is generation_batch_size completions
+checkpointing off; fp32 weights, with bf16 autocast exactly where tlt's actor uses it (actor.bf16_autocast on a CPU
+with native bf16), so both trainers run the same precision. One RL step in TRL is generation_batch_size completions
 and the same number of optimiser steps as tlt's mini-batches; its time is measured by a callback around those
 steps. tlt runs first (SD off and adaptive, interleaved per step, as in `tlt bench e2e`), then TRL. Prints a
 table, then one JSON line; if TRL cannot be imported or run, the reason is printed and nothing is timed for it.
@@ -45,6 +46,7 @@ def run_trl(cfg, steps: int, out: Path) -> dict:
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as e:
         return {"error": f"trl is not importable ({e}); install the bench extra: pip install 'tlt[bench]'"}
+    from tlt.device import cpu_has_fast_bf16
     from tlt.rl.data import load_examples
     from tlt.rl.rewards import RewardManager
 
@@ -77,7 +79,8 @@ def run_trl(cfg, steps: int, out: Path) -> dict:
             tok.pad_token = tok.eos_token
         model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
         args = GRPOConfig(
-            output_dir=str(out / "trl"), use_cpu=True, bf16=False, seed=cfg.trainer.seed, max_steps=steps * num_mini,
+            output_dir=str(out / "trl"), use_cpu=True, bf16=bool(a.bf16_autocast and cpu_has_fast_bf16()),
+            seed=cfg.trainer.seed, max_steps=steps * num_mini,
             per_device_train_batch_size=completions_per_step // num_mini, steps_per_generation=num_mini,
             gradient_accumulation_steps=1, num_generations=r.n, max_completion_length=d.max_response_length,
             temperature=r.temperature, top_p=r.top_p, top_k=max(r.top_k, 0), learning_rate=a.lr,
