@@ -539,3 +539,27 @@ def test_update_gradient_is_bitwise_reproducible_with_threads(tmp_path):
         torch.set_num_threads(threads)
     for other in grads[1:]:
         assert all(torch.equal(a, b) for a, b in zip(grads[0], other))
+
+
+def test_bf16_rollout_copy_follows_the_fp32_policy(tmp_path, tiny_dir):
+    """rollout.dtype=bfloat16 with the fp32 policy: the engine decodes a bf16 copy, refreshed after every update
+    (its weights are the policy's rounded to bf16 at the end, not the initial copy's), and the old log-probs are
+    recomputed by the trainer (the engine's are the copy's: they differ by bf16 rounding, logged)."""
+    trainer = run(tmp_path, tiny_dir, **{"rollout.dtype": "bfloat16", "actor.bf16_autocast": False,
+                                         "actor.lr": 1e-3})
+    assert trainer.rollout_model is not trainer.model and trainer.llm.model is trainer.rollout_model
+    assert next(trainer.rollout_model.parameters()).dtype == torch.bfloat16
+    assert next(trainer.model.parameters()).dtype == torch.float32
+    policy, copy = trainer.model.state_dict(), trainer.rollout_model.state_dict()
+    assert all(torch.equal(copy[k], v.to(torch.bfloat16)) for k, v in policy.items())
+    from tlt.models.loader import load_model
+    initial = load_model(tiny_dir).state_dict()
+    assert any(not torch.equal(copy[k], v.to(torch.bfloat16)) for k, v in initial.items())  # it was refreshed
+    lines = read_metrics(trainer)
+    assert all(0 < m["rollout/logprob_max_diff"] < 0.5 for m in lines if m["step"] > 0)
+
+
+def test_rollout_dtype_with_ray_workers_is_a_config_error(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["configs/smoke.yaml", "rollout.dtype=bfloat16", "trainer.num_rollout_workers=2"]) == 2
+    assert "rollout.dtype" in capsys.readouterr().err

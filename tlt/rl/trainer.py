@@ -14,7 +14,8 @@ step samples from the current weights and the engine's log-probs are the old pol
 old_log_prob) up to kernel rounding; rollout.recompute_logprobs recomputes them with the trainer's forward and
 logs the difference. The trainer keeps fp32 master weights (model.dtype=auto means float32 here: AdamW updates
 of ~1e-6 vanish in bf16 weights), so the engine decodes in fp32 too; actor.bf16_autocast speeds up the
-trainer's own forward/backward where bf16 is fast (GPU, or CPUs with native bf16).
+trainer's own forward/backward where bf16 is fast (GPU, or CPUs with native bf16). rollout.dtype=bfloat16 gives
+the engine a bf16 copy instead (refreshed after every update; the old log-probs are then always recomputed).
 
 Outputs go to <trainer.default_local_dir>/<project_name>/<experiment_name>/: metrics.jsonl (step 0 = held-out
 accuracy before training), response_lengths.jsonl, tensorboard/, global_step_N/ checkpoints (tlt.rl.checkpoint,
@@ -27,13 +28,14 @@ over ranks with losses normalised by global token counts, so N ranks take the sa
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +51,9 @@ from tlt.rl.data import PromptDataset, load_examples
 from tlt.rl.logging import MetricsLogger, PhaseTimer, flat_numbers, reduce_metrics, rollout_metrics
 from tlt.rl.rewards import RewardManager
 from tlt.rl.rollout import ActorBatch, RolloutBatch, generate_rollouts, rollout_seed, sampling_params_for
+
+if TYPE_CHECKING:
+    from tlt.models.decoder import Decoder
 
 MAX_GEN_BATCHES = 4  # DAPO dynamic sampling: rollout rounds per step before training on what was kept
 TINY_RANDOM = "tiny-random"
@@ -149,7 +154,8 @@ class GRPOTrainer:
                                           d.filter_overlong_prompts)[0] if d.val_files else []
         self.rewards = RewardManager(cfg.reward)
         self.actor = Actor(self.model, cfg.actor, t.total_steps)
-        self.llm = LLM(model=self.model, tokenizer=self.tokenizer, max_num_seqs=cfg.rollout.max_num_seqs,
+        self.rollout_model = self._rollout_model()  # self.model, or a copy in rollout.dtype
+        self.llm = LLM(model=self.rollout_model, tokenizer=self.tokenizer, max_num_seqs=cfg.rollout.max_num_seqs,
                        max_model_len=d.max_prompt_length + d.max_response_length, seed=t.seed,
                        speculative_config=self._speculative_config())
         self.drafter_hook = drafter_hook or self._default_drafter_hook()
@@ -182,6 +188,7 @@ class GRPOTrainer:
                         batch.ref_log_probs = self.actor.compute_log_probs(batch, self.ref_model)
                 with timer("update_actor"):
                     step_metrics.update(self.actor.update(batch, self.num_mini_batches))
+                    self.sync_rollout_weights()
                 with timer("drafter"):
                     step_metrics.update(self.drafter_hook.after_rollout(step, rollout, outputs))
                 if t.test_freq > 0 and self.val_examples and (step % t.test_freq == 0 or step == t.total_steps):
@@ -268,8 +275,9 @@ class GRPOTrainer:
         return valid & torch.tensor([f != "length" for f in rollout.finish_reasons], dtype=torch.bool)
 
     def old_log_probs(self, batch: ActorBatch) -> dict[str, float]:
-        """The engine's log-probs are the old policy's (shared weights); optionally recompute and compare them."""
-        if not self.cfg.rollout.recompute_logprobs:
+        """The engine's log-probs are the old policy's (shared weights); recompute and compare them when asked, and
+        always when the engine decodes a copy in another dtype (its log-probs are the copy's, not the policy's)."""
+        if not (self.cfg.rollout.recompute_logprobs or self.rollout_model is not self.model):
             return {}
         recomputed = self.actor.compute_log_probs(batch)
         valid = torch.arange(batch.old_log_probs.shape[1], device=self.device)[None] < batch.response_lens[:, None]
@@ -304,6 +312,23 @@ class GRPOTrainer:
         return out
 
     # ---------------------------------------------------------------- setup, checkpoints
+
+    def _rollout_model(self) -> Decoder:
+        """rollout.dtype=auto (or the policy's own dtype): the policy itself, shared with the engine. Otherwise a
+        copy in that dtype for the engine, which `sync_rollout_weights` refreshes after each update."""
+        want = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(self.cfg.rollout.dtype)
+        if want is None or want == next(self.model.parameters()).dtype:
+            return self.model
+        return copy.deepcopy(self.model).to(want).requires_grad_(False).eval()
+
+    @torch.no_grad()
+    def sync_rollout_weights(self) -> None:
+        """Copy the updated policy into the engine's copy (rounded to its dtype). Each copy bumps the weight's
+        version, so the engine's packed weights are packed again before the next rollout."""
+        if self.rollout_model is self.model:
+            return
+        for dst, src in zip(self.rollout_model.parameters(), self.model.parameters()):
+            dst.copy_(src)
 
     def _speculative_config(self) -> dict[str, Any] | None:
         spec = self.cfg.speculative.engine_config(self.cfg.trainer.seed)
