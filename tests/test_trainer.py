@@ -558,8 +558,3 @@ def test_bf16_rollout_copy_follows_the_fp32_policy(tmp_path, tiny_dir):
     lines = read_metrics(trainer)
     assert all(0 < m["rollout/logprob_max_diff"] < 0.5 for m in lines if m["step"] > 0)
 
-
-def test_rollout_dtype_with_ray_workers_is_a_config_error(capsys, monkeypatch):
-    monkeypatch.chdir(REPO)
-    assert main(["configs/smoke.yaml", "rollout.dtype=bfloat16", "trainer.num_rollout_workers=2"]) == 2
-    assert "rollout.dtype" in capsys.readouterr().err

@@ -64,7 +64,8 @@ class RolloutConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = _f(
         "auto", "weights the rollout engine decodes: auto = the policy's own (shared, no copy); bfloat16 with an "
                 "fp32 policy = a bf16 copy refreshed after each update, old log-probs recomputed by the trainer "
-                "(verl's bf16 rollouts of fp32 master weights; 1.6-2.2x faster decoding on CPUs with avx512_bf16)")
+                "(verl's bf16 rollouts of fp32 master weights; 1.6-2.2x faster decoding on CPUs with avx512_bf16); "
+                "Ray rollout workers decode in it too")
     dynamic_sampling: bool = _f(False, "DAPO: drop groups whose rewards are all equal")
     overlong_filter: bool = _f(False, "mask out responses truncated at max_response_length from the loss")
 
@@ -301,10 +302,6 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"actor.betas={a.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
     if s.enabled and s.method == "ngram" and s.model is not None:
         raise ConfigError("speculative.model is a drafter path, used only with speculative.method=eagle")
-    t = cfg.trainer
-    if cfg.rollout.dtype != "auto" and (t.use_ray or t.num_rollout_workers > 1):
-        raise ConfigError(f"rollout.dtype={cfg.rollout.dtype} is for the in-process rollout engine; with Ray rollout "
-                          f"workers (trainer.use_ray / trainer.num_rollout_workers > 1) keep rollout.dtype=auto")
     fn = cfg.reward.custom_function
     if fn is not None and (":" not in fn or not fn.rsplit(":", 1)[0].endswith(".py")):
         raise ConfigError(f"reward.custom_function={fn!r} must look like 'path/to/file.py:function_name'")
