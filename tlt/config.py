@@ -182,6 +182,15 @@ class Config:
     drafter_train: DrafterTrainConfig = field(default_factory=DrafterTrainConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
+    def policy_dtype(self) -> str:
+        """The trainer's weights: fp32 master weights unless model.dtype=bfloat16 (model.dtype=auto means fp32
+        for training, where tlt.LLM would pick bf16 on bf16-capable hardware: AdamW's ~1e-6 updates vanish in bf16)."""
+        return "bfloat16" if self.model.dtype == "bfloat16" else "float32"
+
+    def rollout_dtype(self) -> str:
+        """The weights the rollout engine (in process or on Ray workers) decodes: rollout.dtype, auto = the policy's."""
+        return self.policy_dtype() if self.rollout.dtype == "auto" else self.rollout.dtype
+
 
 SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
 

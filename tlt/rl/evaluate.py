@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from tlt.config import Config, ConfigError, load_config
 from tlt.rl.checkpoint import CONFIG_FILE
@@ -94,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or "=" in argv[0] or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    from tlt.device import resolve_device
+    from tlt.device import DTYPES, resolve_device
     from tlt.llm import LLM
     from tlt.models.loader import load_model, load_tokenizer
 
@@ -109,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tlt eval: {e}", file=sys.stderr)
         return 2
     device = resolve_device(cfg.model.device)
-    dtype = torch.float32 if cfg.model.dtype in ("auto", "float32") else torch.bfloat16
-    model = load_model(checkpoint, dtype=dtype, device=str(device))
+    model = load_model(checkpoint, dtype=DTYPES[cfg.policy_dtype()], device=str(device))
     tokenizer = load_tokenizer(checkpoint)
     d, r = cfg.data, cfg.rollout
     examples, num_filtered = load_examples(d.val_files, tokenizer, d.prompt_key, d.max_prompt_length,

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tlt.config import Config, ConfigError, format_config, load_config
-from tlt.device import resolve_device
+from tlt.device import DTYPES, resolve_device
 from tlt.engine.outputs import RequestOutput
 from tlt.rl.actor import Actor
 from tlt.rl.advantages import compute_advantages, groups_to_keep, keep_mask
@@ -142,7 +142,7 @@ class GRPOTrainer:
         self.run_dir = Path(t.default_local_dir) / t.project_name / t.experiment_name
         self.ckpt = CheckpointManager(self.run_dir)
         resume_dir = self.ckpt.resolve_resume(t.resume)
-        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        dtype = DTYPES[cfg.policy_dtype()]
 
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.model = load_model(resume_dir or cfg.model.path, dtype=dtype, device=str(self.device))
@@ -316,10 +316,9 @@ class GRPOTrainer:
     def _rollout_model(self) -> Decoder:
         """rollout.dtype=auto (or the policy's own dtype): the policy itself, shared with the engine. Otherwise a
         copy in that dtype for the engine, which `sync_rollout_weights` refreshes after each update."""
-        want = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(self.cfg.rollout.dtype)
-        if want is None or want == next(self.model.parameters()).dtype:
+        if self.cfg.rollout_dtype() == self.cfg.policy_dtype():
             return self.model
-        return copy.deepcopy(self.model).to(want).requires_grad_(False).eval()
+        return copy.deepcopy(self.model).to(DTYPES[self.cfg.rollout_dtype()]).requires_grad_(False).eval()
 
     @torch.no_grad()
     def sync_rollout_weights(self) -> None:

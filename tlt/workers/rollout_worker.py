@@ -64,7 +64,7 @@ class ReplicaConfig:
         s, d = cfg.speculative, cfg.drafter_train
         return cls(speculative=s.engine_config(cfg.trainer.seed), max_num_seqs=cfg.rollout.max_num_seqs,
                    max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                   device=cfg.model.device, seed=cfg.trainer.seed, dtype=rollout_dtype(cfg),
+                   device=cfg.model.device, seed=cfg.trainer.seed, dtype=cfg.rollout_dtype(),
                    train_drafter=d.enabled and s.enabled and s.method == "eagle", drafter_lr=d.lr,
                    batch_tokens=d.batch_tokens, buffer_max_tokens=d.buffer_max_tokens, window_len=d.window_len,
                    holdout_every=round(1 / d.holdout_fraction) if d.holdout_fraction > 0 else 0)
@@ -90,15 +90,6 @@ class TrainResult:
     eval_before: dict | None = None  # DrafterTrainer.evaluate on the held-out slice (None: nothing held out)
     eval_after: dict | None = None
     loss: float | None = None        # last step's loss
-
-
-def rollout_dtype(cfg) -> str:
-    """The dtype replicas decode in: rollout.dtype, or with auto the trainer's policy dtype (fp32 master weights
-    unless model.dtype=bfloat16), as the in-process engine shares the policy itself. Not model.dtype=auto, which
-    resolves to bf16 on bf16-capable CPUs, while the trainer keeps fp32."""
-    if cfg.rollout.dtype != "auto":
-        return cfg.rollout.dtype
-    return "bfloat16" if cfg.model.dtype == "bfloat16" else "float32"
 
 
 def build_decoder(model: str | Path | Decoder | ModelConfig, device: str, dtype: str) -> Decoder | str:
