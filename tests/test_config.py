@@ -94,3 +94,17 @@ def test_docs_config_md_is_current():
     python -c "from tlt.config import config_reference_markdown as m; open('docs/config.md','w').write(m())" """
     path = Path(__file__).resolve().parents[1] / "docs" / "config.md"
     assert path.read_text() == config_reference_markdown()
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_rollout_dtype_auto_is_bf16_where_bf16_is_fast(monkeypatch, fast_bf16):
+    """rollout.dtype=auto: the engine decodes a bf16 copy of the fp32 policy on hardware with fast bf16 (verl's
+    bf16 rollouts), the policy's own weights elsewhere; an explicit dtype is taken as given."""
+    import tlt.device
+    monkeypatch.setattr(tlt.device, "cpu_has_fast_bf16", lambda: fast_bf16)
+    cfg = load_config(None, ["model.device=cpu"])
+    assert cfg.policy_dtype() == "float32"
+    assert cfg.rollout_dtype() == ("bfloat16" if fast_bf16 else "float32")
+    assert load_config(None, ["model.device=cpu", "rollout.dtype=float32"]).rollout_dtype() == "float32"
+    assert load_config(None, ["model.device=cpu", "rollout.dtype=bfloat16"]).rollout_dtype() == "bfloat16"
+    assert load_config(None, ["model.device=cpu", "model.dtype=bfloat16"]).rollout_dtype() == "bfloat16"

@@ -126,12 +126,13 @@ def test_trainer_over_ray_replicas_trains_and_harvests(tmp_path, monkeypatch, ca
 
 
 
-@pytest.mark.parametrize("dtype,low,high", [("auto", 0.0, 1e-4), ("bfloat16", 1e-3, 0.5)])
+@pytest.mark.parametrize("dtype,low,high", [("float32", 0.0, 1e-4), ("bfloat16", 1e-3, 0.5)])
 def test_ray_replicas_decode_the_rollout_dtype(tmp_path, monkeypatch, dtype, low, high):
     """The replicas decode the policy's own dtype (fp32 master weights, as the in-process engine) with
-    rollout.dtype=auto, and bf16 with rollout.dtype=bfloat16 (the weights sent every step, cast on load). Measured
-    by the trainer's recomputed old log-probs: within fp32 rounding of the replicas' in the first case, bf16's
-    difference (above 1e-3) in the second, where the recompute is automatic."""
+    rollout.dtype=float32, and bf16 with rollout.dtype=bfloat16 (the weights sent every step, cast on load; what
+    auto picks on bf16 hardware). Measured by the trainer's own old log-probs (the update's forward: one
+    mini-batch): within fp32 rounding of the replicas' in the first case, bf16's difference (above 1e-3) in the
+    second."""
     import json
     from pathlib import Path
 
@@ -140,7 +141,7 @@ def test_ray_replicas_decode_the_rollout_dtype(tmp_path, monkeypatch, dtype, low
     assert main(["configs/smoke.yaml", f"trainer.default_local_dir={tmp_path}", "trainer.logger=[jsonl]",
                  "trainer.use_ray=true", "trainer.num_rollout_workers=2", "trainer.total_steps=1",
                  "trainer.save_freq=-1", "trainer.test_freq=-1", f"rollout.dtype={dtype}",
-                 "rollout.recompute_logprobs=" + ("true" if dtype == "auto" else "false"),
+                 "rollout.recompute_logprobs=" + ("true" if dtype == "float32" else "false"),
                  "actor.bf16_autocast=false", "speculative.enabled=false"]) == 0
     steps = [json.loads(x) for x in (tmp_path / "tlt" / "smoke" / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1]["step"] == 1 and low <= steps[-1]["rollout/logprob_max_diff"] < high

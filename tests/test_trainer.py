@@ -64,7 +64,8 @@ def make_overrides(tmp_path, tiny_dir, reward: str = VARIED_REWARD, **extra) -> 
         "data.train_files": write_data(tmp_path / "train.jsonl", 16),
         "data.val_files": write_data(tmp_path / "val.jsonl", 3),
         "data.max_prompt_length": 64, "data.max_response_length": 16, "data.train_batch_size": 2,
-        "rollout.n": 4, "actor.lr": 1e-3, "reward.custom_function": f"{tmp_path / 'reward.py'}:score",
+        "rollout.n": 4, "rollout.dtype": "float32",  # the shared fp32 policy whatever this CPU's bf16 (auto)
+        "actor.lr": 1e-3, "reward.custom_function": f"{tmp_path / 'reward.py'}:score",
         "speculative.enabled": False, "trainer.total_steps": 2, "trainer.save_freq": -1, "trainer.test_freq": -1,
         "trainer.default_local_dir": str(tmp_path / "runs"), "trainer.logger": "[jsonl]", "trainer.resume": "disable",
     }
@@ -558,3 +559,54 @@ def test_bf16_rollout_copy_follows_the_fp32_policy(tmp_path, tiny_dir):
     lines = read_metrics(trainer)
     assert all(0 < m["rollout/logprob_max_diff"] < 0.5 for m in lines if m["step"] > 0)
 
+
+
+def _count_recomputed_rows(monkeypatch) -> list[int]:
+    """Patch Actor.compute_log_probs to record the number of rows of each call on the policy (not the reference)."""
+    from tlt.rl.actor import Actor
+    calls: list[int] = []
+    original = Actor.compute_log_probs
+
+    def counting(self, batch, model=None):
+        if model is None:
+            calls.append(len(batch))
+        return original(self, batch, model)
+    monkeypatch.setattr(Actor, "compute_log_probs", counting)
+    return calls
+
+
+@pytest.mark.parametrize("on_policy", [True, False])
+def test_on_policy_old_log_probs_are_the_update_forwards_own(tmp_path, tiny_dir, monkeypatch, on_policy):
+    """actor.on_policy_logprobs with one mini-batch and one epoch: the old log-probs are the update forward's own,
+    so the ratio is exactly 1 (ppo_kl and clipfrac exactly 0) and no separate old-log-prob pass runs, even for a
+    bf16 engine copy, whose log-probs are then compared with the trainer's. Negative control: with the option off,
+    the recompute pass runs over every row and the engine's fp32 log-probs (other kernels) give a ratio != 1."""
+    calls = _count_recomputed_rows(monkeypatch)
+    trainer = run(tmp_path / "bf16", tiny_dir, **{"rollout.dtype": "bfloat16", "actor.bf16_autocast": False,
+                                                   "actor.on_policy_logprobs": on_policy})
+    assert calls == ([] if on_policy else [8, 8])  # 2 steps x (2 prompts x 4 responses)
+    assert all(1e-3 < m["rollout/logprob_max_diff"] < 0.5 for m in read_metrics(trainer) if m["step"] > 0)
+    shared = read_metrics(run(tmp_path / "fp32", tiny_dir, **{"actor.on_policy_logprobs": on_policy,
+                                                               "actor.bf16_autocast": False}))
+    kl = [m["actor/ppo_kl"] for m in shared if m["step"] > 0]
+    if on_policy:
+        assert kl == [0.0, 0.0] and all(m["actor/pg_clipfrac"] == 0.0 for m in shared if m["step"] > 0)
+        assert all(0 < m["rollout/logprob_max_diff"] < 1e-4 for m in shared if m["step"] > 0)
+    else:
+        assert any(k != 0.0 for k in kl) and "rollout/logprob_max_diff" not in shared[-1]
+
+
+def test_on_policy_old_log_probs_change_nothing_but_the_pass(tmp_path, tiny_dir, monkeypatch):
+    """The update's own detached log-probs are the recompute pass's (same fp32 weights, same forward): training
+    with the shortcut ends at the weights of training with the pass, up to float rounding. With two mini-batches
+    only the second one's rows are recomputed (the first is optimised before the policy moves)."""
+    calls = _count_recomputed_rows(monkeypatch)
+    common = {"rollout.dtype": "bfloat16", "actor.bf16_autocast": False}
+    fast = run(tmp_path / "fast", tiny_dir, **common, **{"actor.on_policy_logprobs": True})
+    slow = run(tmp_path / "slow", tiny_dir, **common, **{"actor.on_policy_logprobs": False})
+    a, b = fast.model.state_dict(), slow.model.state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=0, msg=f"{k} differs")
+    calls.clear()
+    run(tmp_path / "mini", tiny_dir, **common, **{"actor.ppo_mini_batch_size": 1})
+    assert calls == [4, 4]  # per step: the second prompt's 4 responses

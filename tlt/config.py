@@ -62,10 +62,11 @@ class RolloutConfig:
     max_num_seqs: int = _f(64, "max sequences decoded together per rollout worker", ge=1)
     recompute_logprobs: bool = _f(False, "recompute old log-probs with the trainer model instead of the engine's")
     dtype: Literal["auto", "float32", "bfloat16"] = _f(
-        "auto", "weights the rollout engine decodes: auto = the policy's own (shared, no copy); bfloat16 with an "
-                "fp32 policy = a bf16 copy refreshed after each update, old log-probs recomputed by the trainer "
-                "(verl's bf16 rollouts of fp32 master weights; 1.6-2.2x faster decoding on CPUs with avx512_bf16); "
-                "Ray rollout workers decode in it too")
+        "auto", "weights the rollout engine decodes: bfloat16 with an fp32 policy = a bf16 copy refreshed after "
+                "each update, old log-probs the trainer's (verl's bf16 rollouts of fp32 master weights; 1.6-2.2x "
+                "faster decoding on CPUs with avx512_bf16); the policy's own dtype = the policy itself, shared; "
+                "auto = bfloat16 where bf16 is fast (GPU, avx512_bf16/AMX CPUs), else the policy's own. Ray "
+                "rollout workers decode in it too")
     dynamic_sampling: bool = _f(False, "DAPO: drop groups whose rewards are all equal")
     overlong_filter: bool = _f(False, "mask out responses truncated at max_response_length from the loss")
 
@@ -95,6 +96,11 @@ class ActorConfig:
                                   "each response sees the prompt and itself; exact)")
     bf16_autocast: bool = _f(True, "bf16 autocast for the policy forward/backward where bf16 is fast (GPU, "
                                    "avx512_bf16/AMX CPUs)")
+    on_policy_logprobs: bool = _f(True, "the first mini-batch of the first epoch (the whole update when ppo_epochs=1 "
+                                        "and one mini-batch) takes its old log-probs from its own forward, detached: "
+                                        "the ratio is exactly 1 there and no separate old-log-prob pass runs for it "
+                                        "(as verl's on-policy path and TRL's GRPOTrainer); false = the engine's or a "
+                                        "recompute pass's")
 
 
 @dataclass
@@ -188,8 +194,16 @@ class Config:
         return "bfloat16" if self.model.dtype == "bfloat16" else "float32"
 
     def rollout_dtype(self) -> str:
-        """The weights the rollout engine (in process or on Ray workers) decodes: rollout.dtype, auto = the policy's."""
-        return self.policy_dtype() if self.rollout.dtype == "auto" else self.rollout.dtype
+        """The weights the rollout engine (in process or on Ray workers) decodes: rollout.dtype; auto = bf16 where
+        bf16 is fast on model.device (GPU, CPUs with avx512_bf16/AMX), as verl rolls out fp32 master weights in
+        bf16, else the policy's own."""
+        if self.rollout.dtype != "auto":
+            return self.rollout.dtype
+        import torch
+
+        from tlt.device import resolve_device, resolve_dtype
+        fast_bf16 = resolve_dtype("auto", resolve_device(self.model.device)) == torch.bfloat16
+        return "bfloat16" if fast_bf16 else self.policy_dtype()
 
 
 SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}

@@ -242,15 +242,27 @@ class Actor:
                 out[chunk, :lp.shape[1]] = lp
         return out
 
+    def on_policy_rows(self, batch: ActorBatch, num_mini_batches: int) -> list[int]:
+        """Rows whose old log-probs `update` takes from its own forward (actor.on_policy_logprobs): those of the first
+        mini-batch, which is optimised before any weight changes. Empty when the option is off."""
+        if not self.cfg.on_policy_logprobs:
+            return []
+        return split_groups(batch.group_ids.tolist(), num_mini_batches)[0]
+
     def update(self, batch: ActorBatch, num_mini_batches: int) -> dict[str, float]:
-        """actor.ppo_epochs passes x num_mini_batches optimiser steps; the LR schedule steps once per call."""
+        """actor.ppo_epochs passes x num_mini_batches optimiser steps; the LR schedule steps once per call.
+
+        With actor.on_policy_logprobs the first mini-batch's old log-probs are its forward's own, detached (the
+        policy has not moved yet, so they are the old policy's under the trainer's numerics; the ratio is exactly 1
+        there); they are written into batch.old_log_probs, so the caller can compare them with the engine's."""
         self.model.train()
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        for _ in range(self.cfg.ppo_epochs):
-            for rows in split_groups(batch.group_ids.tolist(), num_mini_batches):
-                metrics = self._optimizer_step(batch, rows, world)
+        for epoch in range(self.cfg.ppo_epochs):
+            for k, rows in enumerate(split_groups(batch.group_ids.tolist(), num_mini_batches)):
+                on_policy = epoch == 0 and k == 0 and self.cfg.on_policy_logprobs
+                metrics = self._optimizer_step(batch, rows, world, on_policy)
                 for k, v in metrics.items():
                     sums[k] += v
                     counts[k] += 1
@@ -262,7 +274,8 @@ class Actor:
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         return out
 
-    def _optimizer_step(self, batch: ActorBatch, rows: list[int], world: int) -> dict[str, float]:
+    def _optimizer_step(self, batch: ActorBatch, rows: list[int], world: int, on_policy: bool = False
+                        ) -> dict[str, float]:
         mask = batch.response_mask[rows] if rows else batch.response_mask[:0]
         # Global normalisers: tokens and non-empty sequences of this mini-batch over all ranks.
         totals = torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64)
@@ -272,10 +285,13 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=False)
         sums: dict[str, float] = defaultdict(float)
         num_micro = 0
-        for _, mb, layout in self._micro(batch, rows) if rows else []:
+        for chunk, mb, layout in self._micro(batch, rows) if rows else []:
             with self.autocast():
                 log_probs, entropy = response_log_probs(self.model, mb, with_entropy=True,
                                                         entropy_grad=bool(self.cfg.entropy_coeff), layout=layout)
+            if on_policy:
+                mb.old_log_probs = log_probs.detach().float()
+                batch.old_log_probs[[rows[i] for i in chunk], :mb.old_log_probs.shape[1]] = mb.old_log_probs
             loss, metrics = compute_actor_loss(
                 log_probs.float(), mb.old_log_probs, mb.advantages, mb.response_mask, self.cfg,
                 ref_log_probs=mb.ref_log_probs, entropy=entropy, global_num_tokens=num_tokens,

@@ -9,13 +9,15 @@ One step, as `fit()` reads: take data.train_batch_size prompts (each data-parall
 sample rollout.n responses per prompt, score them, compute GRPO advantages, take the old log-probs, run
 actor.ppo_epochs x mini-batches of updates, log, validate and checkpoint when due.
 
-Weights are shared, not copied: the rollout engine is built on the very Decoder the optimiser updates, so every
-step samples from the current weights and the engine's log-probs are the old policy's log-probs (verl's
-old_log_prob) up to kernel rounding; rollout.recompute_logprobs recomputes them with the trainer's forward and
-logs the difference. The trainer keeps fp32 master weights (model.dtype=auto means float32 here: AdamW updates
-of ~1e-6 vanish in bf16 weights), so the engine decodes in fp32 too; actor.bf16_autocast speeds up the
-trainer's own forward/backward where bf16 is fast (GPU, or CPUs with native bf16). rollout.dtype=bfloat16 gives
-the engine a bf16 copy instead (refreshed after every update; the old log-probs are then always recomputed).
+The trainer keeps fp32 master weights (model.dtype=auto means float32 here: AdamW updates of ~1e-6 vanish in
+bf16 weights); actor.bf16_autocast speeds up its forward/backward where bf16 is fast (GPU, or CPUs with native
+bf16). The rollout engine decodes rollout.dtype: by default (auto) a bf16 copy where bf16 is fast, as verl rolls
+out fp32 master weights in bf16, refreshed after every update; elsewhere (or with rollout.dtype=float32) the very
+Decoder the optimiser updates, shared, whose log-probs are then the old policy's (verl's old_log_prob) up to kernel
+rounding. The old log-probs of the update's first mini-batch are its own forward's, detached
+(actor.on_policy_logprobs: the policy has not moved yet, so no separate pass is needed); those of later
+mini-batches are recomputed by the trainer when the engine decodes a copy (or rollout.recompute_logprobs), else
+the engine's. rollout/logprob_max_diff logs the engine's distance from the trainer's.
 
 Outputs go to <trainer.default_local_dir>/<project_name>/<experiment_name>/: metrics.jsonl (step 0 = held-out
 accuracy before training), response_lengths.jsonl, tensorboard/, global_step_N/ checkpoints (tlt.rl.checkpoint,
@@ -181,14 +183,16 @@ class GRPOTrainer:
                 adv = compute_advantages(rollout.scores, rollout.group_ids, cfg.algorithm)
                 batch = rollout.to_actor_batch(adv.values, self.loss_mask(rollout, adv.valid_mask),
                                                cfg.rollout.temperature, self.device)
+                engine_log_probs = batch.old_log_probs.clone()
                 with timer("old_log_prob"):
-                    step_metrics.update(self.old_log_probs(batch))
+                    self.old_log_probs(batch)
                 if self.ref_model is not None:
                     with timer("ref"):
                         batch.ref_log_probs = self.actor.compute_log_probs(batch, self.ref_model)
                 with timer("update_actor"):
                     step_metrics.update(self.actor.update(batch, self.num_mini_batches))
                     self.sync_rollout_weights()
+                step_metrics.update(self.logprob_diff(batch, engine_log_probs))
                 with timer("drafter"):
                     step_metrics.update(self.drafter_hook.after_rollout(step, rollout, outputs))
                 if t.test_freq > 0 and self.val_examples and (step % t.test_freq == 0 or step == t.total_steps):
@@ -274,15 +278,35 @@ class GRPOTrainer:
             return valid
         return valid & torch.tensor([f != "length" for f in rollout.finish_reasons], dtype=torch.bool)
 
-    def old_log_probs(self, batch: ActorBatch) -> dict[str, float]:
-        """The engine's log-probs are the old policy's (shared weights); recompute and compare them when asked, and
-        always when the engine decodes a copy in another dtype (its log-probs are the copy's, not the policy's)."""
+    def trainer_logprob_rows(self, batch: ActorBatch) -> tuple[list[int], list[int]]:
+        """(rows the update scores itself, rows to recompute before it) for the old log-probs. The engine's
+        log-probs are the old policy's when it decodes the policy's own weights; with rollout.recompute_logprobs,
+        or an engine copy in another dtype, the trainer's are used instead: the first mini-batch's come free from
+        its own forward (actor.on_policy_logprobs), the rest from a recompute pass. Without a recompute the first
+        mini-batch still takes its own (the ratio is exactly 1 there, as in verl and TRL)."""
+        on_policy = self.actor.on_policy_rows(batch, self.num_mini_batches)
         if not (self.cfg.rollout.recompute_logprobs or self.rollout_model is not self.model):
+            return on_policy, []
+        skip = set(on_policy)
+        return on_policy, [i for i in range(len(batch)) if i not in skip]
+
+    def old_log_probs(self, batch: ActorBatch) -> None:
+        """Recompute the old log-probs of the rows the update does not score itself (see trainer_logprob_rows)."""
+        rows = self.trainer_logprob_rows(batch)[1]
+        if rows:
+            sub = batch.rows(rows)
+            batch.old_log_probs[rows, :sub.old_log_probs.shape[1]] = self.actor.compute_log_probs(sub)
+
+    def logprob_diff(self, batch: ActorBatch, engine: torch.Tensor) -> dict[str, float]:
+        """How far the engine's log-probs are from the trainer's, over the rows whose old log-probs the trainer
+        computed (rollout vs training numerics: dtype, kernels, batching)."""
+        on_policy, recomputed = self.trainer_logprob_rows(batch)
+        rows = sorted(on_policy + recomputed)
+        if not rows:
             return {}
-        recomputed = self.actor.compute_log_probs(batch)
-        valid = torch.arange(batch.old_log_probs.shape[1], device=self.device)[None] < batch.response_lens[:, None]
-        diff = (recomputed - batch.old_log_probs).abs()[valid]
-        batch.old_log_probs = recomputed
+        r = batch.old_log_probs.shape[1]
+        valid = (torch.arange(r, device=self.device)[None] < batch.response_lens[rows, None])
+        diff = (batch.old_log_probs[rows] - engine[rows]).abs()[valid]
         return {"rollout/logprob_max_diff": float(diff.max()) if diff.numel() else 0.0,
                 "rollout/logprob_mean_diff": float(diff.mean()) if diff.numel() else 0.0}
 
