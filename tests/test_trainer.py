@@ -426,6 +426,8 @@ def test_smoke_recipe_with_eagle_sd_and_online_drafter(tmp_path, monkeypatch, ca
     assert [r["step"] for r in lengths] == [1, 2, 3] and all(len(r["lengths"]) == 16 for r in lengths)
     cmp = json.loads((run_dir / "sd_compare.json").read_text())
     assert cmp["with_sd_s"] > 0 and cmp["without_sd_s"] > 0
+    # the same engine weights (rollout.dtype=auto: a bf16 copy on bf16 CPUs) with SD on and off: the same samples
+    assert cmp["same_tokens"] is True and cmp["tokens_with_sd"] == cmp["tokens_without_sd"]
     assert cmp["accept_length"] is None or cmp["accept_length"] >= 1  # None: only the "off" arm was chosen
     assert (run_dir / "report.html").is_file() and summary["report"] == str(run_dir / "report.html")
     assert (run_dir / "drafters.png").is_file() and "drafters.png" in (run_dir / "report.html").read_text()

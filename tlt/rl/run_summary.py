@@ -25,17 +25,20 @@ def compare_sd(trainer) -> dict[str, Any] | None:
     params = [dataclasses.replace(p, return_hidden_states=False) for p in params]
     ids = [ex.prompt_ids for ex in prompts]
     d = trainer.cfg.data
-    plain = LLM(model=trainer.model, tokenizer=trainer.tokenizer, max_num_seqs=trainer.cfg.rollout.max_num_seqs,
+    # plain decoding of the very weights the SD engine decodes (rollout_model: a bf16 copy by default on bf16 CPUs)
+    plain = LLM(model=trainer.rollout_model, tokenizer=trainer.tokenizer,
+                max_num_seqs=trainer.cfg.rollout.max_num_seqs,
                 max_model_len=d.max_prompt_length + d.max_response_length, seed=trainer.cfg.trainer.seed)
 
-    def timed(llm) -> tuple[float, int]:
+    def timed(llm) -> tuple[float, list[list[int]]]:
         t0 = time.perf_counter()
         outs = llm.generate(prompt_token_ids=ids, sampling_params=params)
-        return time.perf_counter() - t0, sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return time.perf_counter() - t0, [list(c.token_ids) for o in outs for c in o.outputs]
 
-    without_s, without_tokens = timed(plain)
+    without_s, without = timed(plain)
     trainer.llm.spec.reset_stats()
-    with_s, with_tokens = timed(trainer.llm)
+    with_s, with_sd = timed(trainer.llm)
+    with_tokens, without_tokens = sum(map(len, with_sd)), sum(map(len, without))
     spec = trainer.llm.spec.stats()
     return {"with_sd_s": round(with_s, 3), "without_sd_s": round(without_s, 3),
             "speedup": round(without_s / max(with_s, 1e-9), 3),
@@ -43,6 +46,7 @@ def compare_sd(trainer) -> dict[str, Any] | None:
             "tokens_per_s_without_sd": round(without_tokens / max(without_s, 1e-9), 1),
             "num_prompts": len(ids), "n": params[0].n if params else 0,
             "tokens_with_sd": with_tokens, "tokens_without_sd": without_tokens,
+            "same_tokens": with_sd == without,  # seeded requests: SD must not change what is sampled
             "accept_length": _finite(spec["spec_accept_length"]), "spec_on_fraction": round(spec["spec_on_fraction"], 3),
             "accept_length_by_bucket": spec["spec_accept_length_by_bucket"], "arm_counts": spec["spec_arm_counts"],
             "drafter_version": trainer.llm.spec.drafter_version}
