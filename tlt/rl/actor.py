@@ -260,8 +260,8 @@ class Actor:
         counts: dict[str, int] = defaultdict(int)
         world = dist.get_world_size() if dist.is_initialized() else 1
         for epoch in range(self.cfg.ppo_epochs):
-            for k, rows in enumerate(split_groups(batch.group_ids.tolist(), num_mini_batches)):
-                on_policy = epoch == 0 and k == 0 and self.cfg.on_policy_logprobs
+            for mini, rows in enumerate(split_groups(batch.group_ids.tolist(), num_mini_batches)):
+                on_policy = epoch == 0 and mini == 0 and self.cfg.on_policy_logprobs
                 metrics = self._optimizer_step(batch, rows, world, on_policy)
                 for k, v in metrics.items():
                     sums[k] += v

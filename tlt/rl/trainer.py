@@ -185,14 +185,14 @@ class GRPOTrainer:
                                                cfg.rollout.temperature, self.device)
                 engine_log_probs = batch.old_log_probs.clone()
                 with timer("old_log_prob"):
-                    self.old_log_probs(batch)
+                    trainer_rows = self.old_log_probs(batch)
                 if self.ref_model is not None:
                     with timer("ref"):
                         batch.ref_log_probs = self.actor.compute_log_probs(batch, self.ref_model)
                 with timer("update_actor"):
                     step_metrics.update(self.actor.update(batch, self.num_mini_batches))
                     self.sync_rollout_weights()
-                step_metrics.update(self.logprob_diff(batch, engine_log_probs))
+                step_metrics.update(self.logprob_diff(batch, engine_log_probs, trainer_rows))
                 with timer("drafter"):
                     step_metrics.update(self.drafter_hook.after_rollout(step, rollout, outputs))
                 if t.test_freq > 0 and self.val_examples and (step % t.test_freq == 0 or step == t.total_steps):
@@ -278,34 +278,28 @@ class GRPOTrainer:
             return valid
         return valid & torch.tensor([f != "length" for f in rollout.finish_reasons], dtype=torch.bool)
 
-    def trainer_logprob_rows(self, batch: ActorBatch) -> tuple[list[int], list[int]]:
-        """(rows the update scores itself, rows to recompute before it) for the old log-probs. The engine's
-        log-probs are the old policy's when it decodes the policy's own weights; with rollout.recompute_logprobs,
-        or an engine copy in another dtype, the trainer's are used instead: the first mini-batch's come free from
-        its own forward (actor.on_policy_logprobs), the rest from a recompute pass. Without a recompute the first
-        mini-batch still takes its own (the ratio is exactly 1 there, as in verl and TRL)."""
+    def old_log_probs(self, batch: ActorBatch) -> list[int]:
+        """Recompute the old log-probs the engine's cannot stand for, and return every row whose old log-probs are
+        the trainer's. The engine's are the old policy's when it decodes the policy's own weights. The first
+        mini-batch's come free from the update's own forward (actor.on_policy_logprobs; the ratio is exactly 1
+        there, as in verl and TRL); with rollout.recompute_logprobs, or an engine copy in another dtype, the other
+        rows are recomputed here."""
         on_policy = self.actor.on_policy_rows(batch, self.num_mini_batches)
         if not (self.cfg.rollout.recompute_logprobs or self.rollout_model is not self.model):
-            return on_policy, []
+            return on_policy
         skip = set(on_policy)
-        return on_policy, [i for i in range(len(batch)) if i not in skip]
-
-    def old_log_probs(self, batch: ActorBatch) -> None:
-        """Recompute the old log-probs of the rows the update does not score itself (see trainer_logprob_rows)."""
-        rows = self.trainer_logprob_rows(batch)[1]
+        rows = [i for i in range(len(batch)) if i not in skip]
         if rows:
             sub = batch.rows(rows)
             batch.old_log_probs[rows, :sub.old_log_probs.shape[1]] = self.actor.compute_log_probs(sub)
+        return sorted(on_policy + rows)
 
-    def logprob_diff(self, batch: ActorBatch, engine: torch.Tensor) -> dict[str, float]:
-        """How far the engine's log-probs are from the trainer's, over the rows whose old log-probs the trainer
-        computed (rollout vs training numerics: dtype, kernels, batching)."""
-        on_policy, recomputed = self.trainer_logprob_rows(batch)
-        rows = sorted(on_policy + recomputed)
+    def logprob_diff(self, batch: ActorBatch, engine: torch.Tensor, rows: list[int]) -> dict[str, float]:
+        """How far the engine's log-probs are from the trainer's over `rows`, those the trainer scored (rollout vs
+        training numerics: dtype, kernels, batching); call after the update, which fills the on-policy rows."""
         if not rows:
             return {}
-        r = batch.old_log_probs.shape[1]
-        valid = (torch.arange(r, device=self.device)[None] < batch.response_lens[rows, None])
+        valid = torch.arange(batch.old_log_probs.shape[1], device=self.device)[None] < batch.response_lens[rows, None]
         diff = (batch.old_log_probs[rows] - engine[rows]).abs()[valid]
         return {"rollout/logprob_max_diff": float(diff.max()) if diff.numel() else 0.0,
                 "rollout/logprob_mean_diff": float(diff.mean()) if diff.numel() else 0.0}
@@ -338,8 +332,8 @@ class GRPOTrainer:
     # ---------------------------------------------------------------- setup, checkpoints
 
     def _rollout_model(self) -> Decoder:
-        """rollout.dtype=auto (or the policy's own dtype): the policy itself, shared with the engine. Otherwise a
-        copy in that dtype for the engine, which `sync_rollout_weights` refreshes after each update."""
+        """Config.rollout_dtype() equal to the policy's: the policy itself, shared with the engine. Otherwise (e.g.
+        auto on bf16 hardware) a copy in that dtype, which `sync_rollout_weights` refreshes after each update."""
         if self.cfg.rollout_dtype() == self.cfg.policy_dtype():
             return self.model
         return copy.deepcopy(self.model).to(DTYPES[self.cfg.rollout_dtype()]).requires_grad_(False).eval()
