@@ -151,8 +151,9 @@ def test_repeated_prompts_are_prefilled_once(tiny_llama_dir, monkeypatch):
 
 def test_kv_cache_slots_follow_the_running_batch(tiny_llama_dir):
     """max_num_seqs is a ceiling, not an allocation: 3 requests allocate one rounded group of 8 slots, 20 grow it,
-    and outputs do not depend on when the cache grew."""
-    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=64)
+    and outputs do not depend on when the cache grew. (Eager: CUDA graphs take every slot and grow the capacity in
+    steps of 256, tlt.engine.cuda_graph.)"""
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=64, enforce_eager=True)
     p = tlt.SamplingParams(temperature=0, max_tokens=8)
     prompts = _prompts(3, seed=4)
     few = llm.generate(prompts, p)
@@ -163,7 +164,7 @@ def test_kv_cache_slots_follow_the_running_batch(tiny_llama_dir):
 
 
 def test_kv_budget_admission_never_overflows(tiny_llama_dir):
-    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=16, kv_cache_tokens=100)
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=16, kv_cache_tokens=100, enforce_eager=True)
     outs = llm.generate(_prompts(6, seed=3), tlt.SamplingParams(temperature=0, max_tokens=30))
     assert all(len(o.outputs[0].token_ids) == 30 for o in outs)
     assert llm.engine.kv.capacity <= 128
@@ -172,7 +173,7 @@ def test_kv_budget_admission_never_overflows(tiny_llama_dir):
 def test_huge_max_tokens_stops_at_the_context_limit(tiny_llama_dir):
     """max_tokens far past max_model_len ("until EOS", as vLLM users write it) reserves cache for the context
     limit only, and the output ends there with finish_reason "length"."""
-    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=4, max_model_len=48)
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=4, max_model_len=48, enforce_eager=True)
     outs = llm.generate(_prompts(4, seed=1), tlt.SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True))
     for o in outs:
         assert len(o.prompt_token_ids) + len(o.outputs[0].token_ids) == 48

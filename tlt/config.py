@@ -67,6 +67,8 @@ class RolloutConfig:
                 "faster decoding on CPUs with avx512_bf16); the policy's own dtype = the policy itself, shared; "
                 "auto = bfloat16 where bf16 is fast (GPU, avx512_bf16/AMX CPUs), else the policy's own. Ray "
                 "rollout workers decode in it too")
+    enforce_eager: bool = _f(False, "on CUDA, run decode and verification forwards eagerly instead of replaying "
+                                    "captured CUDA graphs (vLLM's switch; no effect on CPU)")
     dynamic_sampling: bool = _f(False, "DAPO: drop groups whose rewards are all equal")
     overlong_filter: bool = _f(False, "mask out responses truncated at max_response_length from the loss")
 

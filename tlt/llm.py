@@ -37,7 +37,7 @@ class LLM:
     def __init__(self, model: str | Path | Decoder | None = None, tokenizer: Any = None, dtype: str = "auto",
                  device: str = "auto", max_num_seqs: int = 64, max_model_len: int | None = None,
                  kv_cache_tokens: int | None = None, seed: int = 0, speculative_config: dict | None = None,
-                 skip_tokenizer_init: bool = False):
+                 skip_tokenizer_init: bool = False, enforce_eager: bool = False):
         if model is None:
             from tlt.models.smollm import default_model_path
             model = default_model_path()
@@ -54,7 +54,8 @@ class LLM:
             tokenizer = load_tokenizer(model_dir)  # without tokenizer files: token-id prompts only
         self.tokenizer = tokenizer
         self.engine = LLMEngine(self.model, eos_ids_of(model_dir, self.model, tokenizer), max_num_seqs=max_num_seqs,
-                                max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens, seed=seed)
+                                max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens, seed=seed,
+                                enforce_eager=enforce_eager)
         self.spec = None
         if speculative_config is not None:
             from tlt.spec.spec_decoder import SpecDecoder

@@ -53,6 +53,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per cell; the median is reported")
     ap.add_argument("--no-hf", action="store_true", help="time only tlt (no transformers baseline)")
     ap.add_argument("--device", default="cpu", help="cpu (the 2x goal's setting), cuda or auto")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (tlt.LLM(enforce_eager=True))")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 = torch's default")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
@@ -100,7 +101,8 @@ def bench_model(name: str, model_dir: Path, dtype_name: str, args) -> list[dict]
     bss = [int(b) for b in args.batch_sizes.split(",")]
     device = resolve_device(args.device)
     ours = tlt.LLM(model=model_dir, dtype=dtype_name, device=str(device), max_num_seqs=max(bss),
-                   skip_tokenizer_init=True, max_model_len=args.prompt_len + args.max_tokens + 1)
+                   skip_tokenizer_init=True, max_model_len=args.prompt_len + args.max_tokens + 1,
+                   enforce_eager=args.enforce_eager)
     hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     vocab = ours.model.cfg.vocab_size
     g = torch.Generator().manual_seed(args.seed)

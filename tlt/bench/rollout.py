@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or auto (bf16 where fast)")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (tlt.LLM(enforce_eager=True))")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
     a = ap.parse_args(argv)
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = {m: c for m, c in spec_configs(drafter, a.depth, a.bs_threshold).items() if m in wanted}
     max_len = max(map(len, prompts)) + a.max_tokens
     llms = {m: tlt.LLM(model, tokenizer=tok, max_num_seqs=a.prompts * a.n, max_model_len=max_len, seed=a.seed,
-                       speculative_config=c) for m, c in configs.items()}
+                       speculative_config=c, enforce_eager=a.enforce_eager) for m, c in configs.items()}
     runs: dict[str, list[dict]] = {m: [] for m in configs}
     for rep in range(a.repeats):  # a new seed each repeat (the same for every mode): the n-gram drafter's history
         for m, llm in llms.items():  # of earlier responses must not hold this very rollout

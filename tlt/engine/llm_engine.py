@@ -36,7 +36,8 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, model: Decoder, eos_token_ids: list[int], max_num_seqs: int = 64,
-                 max_model_len: int | None = None, kv_cache_tokens: int | None = None, seed: int = 0):
+                 max_model_len: int | None = None, kv_cache_tokens: int | None = None, seed: int = 0,
+                 enforce_eager: bool = False):
         self.model = model
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -45,7 +46,8 @@ class LLMEngine:
         kv_cache_tokens = kv_cache_tokens or max_num_seqs * self.max_model_len
         self.kv = KVCache(model.cfg, max_num_seqs, self.dtype, self.device)
         self.scheduler = Scheduler(self.kv, max_num_seqs, kv_cache_tokens)
-        self.runner = ModelRunner(model, self.kv)
+        # on CUDA, decode and verification replay captured graphs unless enforce_eager (vLLM's switch)
+        self.runner = ModelRunner(model, self.kv, cuda_graphs=not enforce_eager and self.device.type == "cuda")
         self.spec = None  # set by tlt.spec.SpecDecoder.install(engine)
         self.stats = EngineStats()
         self._ids = itertools.count()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tlt.engine.cuda_graph import GraphedForward
 from tlt.engine.kv_cache import KVCache
 from tlt.engine.sequence import Sequence
 from tlt.models.decoder import Decoder
@@ -16,9 +17,12 @@ CPU_PREFILL_TOKENS = 512
 
 
 class ModelRunner:
-    def __init__(self, model: Decoder, kv: KVCache, max_prefill_tokens: int | None = None):
+    def __init__(self, model: Decoder, kv: KVCache, max_prefill_tokens: int | None = None,
+                 cuda_graphs: bool = False):
         self.model, self.kv = model, kv
         self.device = next(model.parameters()).device
+        # decode and verification forwards through captured CUDA graphs (tlt.engine.cuda_graph); None = eager
+        self.graphs = GraphedForward(model, kv, capture=self.device.type == "cuda") if cuda_graphs else None
         # None: by device (CPU_PREFILL_TOKENS on CPU; on a GPU all admitted prompts in one forward)
         self.max_prefill_tokens = max_prefill_tokens or (CPU_PREFILL_TOKENS if self.device.type == "cpu" else None)
 
@@ -81,7 +85,10 @@ class ModelRunner:
         """One token for each running sequence (rows = slots 0..B-1) -> (logits [B, V] fp32, hidden [B, H])."""
         cached = self._tensor([s.num_cached for s in seqs])
         ids = self._tensor([[s.last_token] for s in seqs])
-        hidden = self.model(ids, cached[:, None], self.kv.view(cached))[:, 0]
+        if self.graphs is not None and self.graphs.serves(len(seqs), 1):
+            hidden = self.graphs.forward(ids, cached[:, None], cached)[:, 0]
+        else:
+            hidden = self.model(ids, cached[:, None], self.kv.view(cached))[:, 0]
         for s in seqs:
             s.num_cached += 1
         return self.model.logits(hidden), hidden

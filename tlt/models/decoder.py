@@ -34,6 +34,8 @@ class CacheView:
     # [B, T, S + T] bool (True = may attend) over S speculative entries already written after `cache_lens`
     # in this step plus the T new tokens; None = causal among the new tokens (S = 0).
     tree_mask: torch.Tensor | None = None
+    # True: masks span the whole capacity, with no read of cache_lens on the host (a CUDA graph's forward)
+    static: bool = False
 
 
 @dataclass
@@ -256,7 +258,7 @@ def cache_mask(cache: CacheView, T: int, device, fused: bool = False) -> tuple[t
     B = lens.shape[0]
     tree = cache.tree_mask
     S = 0 if tree is None else tree.shape[-1] - T
-    L = int(lens.max()) + S + T
+    L = cache.k[0].shape[2] if cache.static else int(lens.max()) + S + T
     rows = (torch.arange(B, device=device) + cache.slot_start)[:, None].expand(B, T)
     cols = lens[:, None] + S + torch.arange(T, device=device)  # [B, T] cache positions of the new tokens
     key = torch.arange(L, device=device)

@@ -28,7 +28,8 @@ def compare_sd(trainer) -> dict[str, Any] | None:
     # plain decoding of the very weights the SD engine decodes (rollout_model: a bf16 copy by default on bf16 CPUs)
     plain = LLM(model=trainer.rollout_model, tokenizer=trainer.tokenizer,
                 max_num_seqs=trainer.cfg.rollout.max_num_seqs,
-                max_model_len=d.max_prompt_length + d.max_response_length, seed=trainer.cfg.trainer.seed)
+                max_model_len=d.max_prompt_length + d.max_response_length, seed=trainer.cfg.trainer.seed,
+                enforce_eager=trainer.cfg.rollout.enforce_eager)
 
     def timed(llm) -> tuple[float, list[list[int]]]:
         t0 = time.perf_counter()

@@ -227,8 +227,12 @@ class SpecDecoder:
         kv = self.engine.kv
         kv.ensure_capacity(int(n.max()) + tokens.shape[1] + 1)
         positions = n[:, None] + node_depths(parents)
-        view = kv.view(n.clone(), tree_mask=tree_attention_mask(parents, valid))
-        hidden = self.model(tokens, positions, view)                 # [B, N + 1, H]
+        mask = tree_attention_mask(parents, valid)
+        graphs = self.engine.runner.graphs
+        if graphs is not None and graphs.serves(*tokens.shape):
+            hidden = graphs.forward(tokens, positions, n, mask)
+        else:
+            hidden = self.model(tokens, positions, kv.view(n.clone(), tree_mask=mask))  # [B, N + 1, H]
         return self.model.logits(hidden), hidden
 
     def _target_probs(self, seqs, logits: torch.Tensor) -> torch.Tensor:

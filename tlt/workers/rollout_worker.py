@@ -48,6 +48,7 @@ class ReplicaConfig:
     max_model_len: int | None = None
     device: str = "auto"
     dtype: str = "auto"
+    enforce_eager: bool = False      # no CUDA graphs (see tlt.engine.cuda_graph)
     seed: int = 0                    # engine seed and fresh-drafter init (equal on every replica: one drafter)
     train_drafter: bool = True       # record hidden states and train the drafter (needs an eagle drafter)
     drafter_lr: float = 3e-4
@@ -65,6 +66,7 @@ class ReplicaConfig:
         return cls(speculative=s.engine_config(cfg.trainer.seed), max_num_seqs=cfg.rollout.max_num_seqs,
                    max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
                    device=cfg.model.device, seed=cfg.trainer.seed, dtype=cfg.rollout_dtype(),
+                   enforce_eager=cfg.rollout.enforce_eager,
                    train_drafter=d.enabled and s.enabled and s.method == "eagle", drafter_lr=d.lr,
                    batch_tokens=d.batch_tokens, buffer_max_tokens=d.buffer_max_tokens, window_len=d.window_len,
                    holdout_every=round(1 / d.holdout_fraction) if d.holdout_fraction > 0 else 0)
@@ -108,7 +110,8 @@ class RolloutReplica:
         self.replica_id, self.cfg = replica_id, cfg or ReplicaConfig()
         c = self.cfg
         self.llm = LLM(model=build_decoder(model, c.device, c.dtype), tokenizer=tokenizer, dtype=c.dtype,
-                       device=c.device, max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len, seed=c.seed)
+                       device=c.device, max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len, seed=c.seed,
+                       enforce_eager=c.enforce_eager)
         self.model = self.llm.model
         self.spec = self._build_spec(c.speculative) if c.speculative else None
         self.llm.spec = self.spec

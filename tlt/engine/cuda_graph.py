@@ -1,0 +1,115 @@
+"""Captured CUDA graphs for the target's few-token forwards (decode, and speculative verification).
+
+A decode step of a small model on a GPU is launch-bound: SmolLM2-135M took ~18 ms a step on an H100 at batch 1 and
+at batch 64 alike (30 layers of small kernels and their Python). As in vLLM and nano-vllm, the forward is captured
+once per (batch bucket, new tokens per row, tree mask or not) and replayed: one launch a step.
+
+Shapes are static inside a graph, so:
+  - a batch of B rows runs in the smallest bucket >= B; rows B.. are padding that writes its K/V into free slots
+    (slots B.. hold no running sequence: running rows are slots 0..B-1), at the last positions of the capacity;
+  - the attention mask spans the cache's whole capacity (`CacheView.static`), read by the small-query attention
+    the eager path already uses for these forwards, so a graph computes what the eager forward computes;
+  - the graphs hold the cache's tensors: they are captured anew when the cache grows (every `ROUND` positions;
+    all slots are allocated at the first graphed step).
+A graph is captured on the step that first needs it, with that step's own inputs: its warm-up forwards write the
+same K/V the step writes, so capturing changes nothing. `capture=False` runs the same padded static forward
+eagerly (any device): the tests check the padding and the static mask on CPU with it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tlt.engine.kv_cache import KVCache
+from tlt.models.decoder import SMALL_QUERY, CacheView, Decoder
+
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+ROUND = 256  # cache capacity grows in steps of this many positions while graphs are in use
+
+
+@dataclass
+class _Graph:
+    ids: torch.Tensor                 # [Bp, T] static inputs ...
+    positions: torch.Tensor           # [Bp, T]
+    lens: torch.Tensor                # [Bp]
+    tree: torch.Tensor | None         # [Bp, T, T] or None (causal)
+    out: torch.Tensor | None = None   # [Bp, T, H] ... and output
+    graph: "torch.cuda.CUDAGraph | None" = None
+
+
+class GraphedForward:
+    def __init__(self, model: Decoder, kv: KVCache, capture: bool = True):
+        self.model, self.kv, self.capture = model, kv, capture
+        self.graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self.cache_key = None
+        self.pool = None
+        self.num_captured = 0
+        kv.round_to = max(kv.round_to, ROUND)
+
+    def serves(self, B: int, T: int) -> bool:
+        return T <= SMALL_QUERY and B <= self.kv.num_slots
+
+    def bucket(self, B: int) -> int:
+        return min(next((b for b in BUCKETS if b >= B), B), self.kv.num_slots)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
+                tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """ids, positions [B, T], lens [B] (cached tokens before the step), tree_mask [B, T, T] or None (causal)
+        -> last hidden state [B, T, H], what `model(ids, positions, kv.view(lens, 0, tree_mask))` returns."""
+        kv = self.kv
+        B, T = ids.shape
+        kv.ensure_capacity(kv.capacity, kv.num_slots)  # every slot: padding rows write into free ones
+        key = (kv.k[0].data_ptr(), kv.capacity)
+        if key != self.cache_key:  # graphs read the cache by address: a grown cache needs new ones
+            self.graphs.clear()
+            self.cache_key = key
+        Bp = self.bucket(B)
+        g = self.graphs.get((Bp, T, tree_mask is not None))
+        new = g is None
+        if new:
+            g = self._buffers(Bp, T, tree_mask is not None)
+        g.ids[:B] = ids
+        g.ids[B:] = 0
+        g.lens[:B] = lens
+        g.lens[B:] = kv.capacity - T  # padding rows: the last T positions of free slots
+        g.positions[:B] = positions
+        g.positions[B:] = g.lens[B:, None] + torch.arange(T, device=ids.device)
+        if g.tree is not None:
+            g.tree[:B] = tree_mask
+            g.tree[B:] = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        if new and self.capture:
+            self._capture(g)
+            self.graphs[(Bp, T, g.tree is not None)] = g
+        if g.graph is not None:
+            g.graph.replay()
+        else:
+            g.out = self._run(g)
+            if new:
+                self.graphs[(Bp, T, g.tree is not None)] = g
+        return g.out[:B].clone()
+
+    def _buffers(self, Bp: int, T: int, tree: bool) -> _Graph:
+        dev = self.kv.device
+        lens = torch.zeros(Bp, dtype=torch.long, device=dev)
+        return _Graph(torch.zeros(Bp, T, dtype=torch.long, device=dev), torch.zeros(Bp, T, dtype=torch.long, device=dev),
+                      lens, torch.ones(Bp, T, T, dtype=torch.bool, device=dev).tril() if tree else None)
+
+    def _run(self, g: _Graph) -> torch.Tensor:
+        view = CacheView(self.kv.k, self.kv.v, g.lens, 0, g.tree, static=True)
+        return self.model(g.ids, g.positions, view)
+
+    def _capture(self, g: _Graph) -> None:
+        # warm-up on a side stream (cuBLAS / allocator set-up must not happen inside capture); the step's own inputs,
+        # so the K/V these forwards write are the ones the step writes
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._run(g)
+        torch.cuda.current_stream().wait_stream(stream)
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.graph, pool=self.pool):
+            g.out = self._run(g)
+        self.pool = g.graph.pool()
+        self.num_captured += 1
