@@ -174,9 +174,25 @@ def test_forget_keeps_a_short_prior_that_new_steps_outweigh():
     assert est < 0.6 and pick is OFF
 
 
+def test_sd_steps_are_measured_against_plain_decoding_only_once_it_ran():
+    """An SD step before any "off" step of its bucket has nothing to be compared with (the old default of 1 s a
+    plain step made a 10 ms SD step look 100x faster): it is not recorded and the arm stays untried; an "off" step
+    that was left out (a CUDA graph capture) leaves "off" untried, so it runs again next."""
+    bandit = _one_bucket([OFF, CHAIN], epsilon=0.0)
+    assert bandit.select(1) is OFF                  # selected, but its step is left out: not recorded
+    assert bandit.select(1) is OFF and bandit.untried == [["off", "chain4"]]
+    bandit.update(1, CHAIN, 3.0, 0.01)              # no plain step measured yet: ignored
+    assert bandit.estimate(0, "chain4") == -math.inf
+    bandit.update(1, OFF, 1.0, 0.01)
+    assert bandit.select(1) is CHAIN                # untried
+    bandit.update(1, CHAIN, 2.0, 0.02)              # 2 tokens in 2 plain steps' time: as fast as off
+    assert bandit.estimate(0, "chain4") == pytest.approx(1.0) and bandit.select(1) is OFF
+
+
 def test_window_estimate_follows_evictions():
     """The throughput estimate covers exactly the last `window` steps of an arm."""
     bandit = _one_bucket([OFF, CHAIN], window=4)
+    bandit.update(1, OFF, 1.0, 1.0)  # plain decoding's step time at bs 1: 1 s
     for tokens in (100.0, 1.0, 2.0, 3.0, 4.0):  # the first step leaves the window
         bandit.update(1, CHAIN, tokens, 1.0)
     assert bandit.estimate(0, "chain4") == 10.0 / 4

@@ -24,7 +24,11 @@ def _generate(llm, prompts, kinds, **params):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp)]
 
 
-def _pair(path, device, graphed_capture, drafter=None, **llm_kw):
+CHAIN = dict(num_speculative_tokens=3)                                   # verify forwards of 4 tokens a row
+TREE = dict(num_speculative_tokens=4, draft_topk=4, num_draft_tokens=24)  # 25: past the small-query bound on GPU
+
+
+def _pair(path, device, graphed_capture, drafter=None, arm=CHAIN, **llm_kw):
     """(eager LLM, LLM whose decode / verify forwards go through GraphedForward)."""
     llms = []
     for graphed in (False, True):
@@ -32,7 +36,7 @@ def _pair(path, device, graphed_capture, drafter=None, **llm_kw):
         if graphed:
             llm.engine.runner.graphs = GraphedForward(llm.engine.model, llm.engine.kv, capture=graphed_capture)
         if drafter is not None:
-            cfg = SpecConfig(method="eagle", bs_threshold=None, adaptive=False, num_speculative_tokens=3)
+            cfg = SpecConfig(method="eagle", bs_threshold=None, adaptive=False, **arm)
             SpecDecoder(llm.engine, cfg, drafter)
         llms.append(llm)
     return llms
@@ -57,15 +61,21 @@ def test_padded_static_decode_matches_eager(tiny_llama_dir, temperature):
     assert graphed.engine.kv.slots == 16 and graphed.engine.kv.capacity % 256 == 0
 
 
-def test_padded_static_verification_matches_eager(tiny_llama_dir):
-    """Speculative steps (chain of 3: tree-masked forwards of 4 tokens) through the padded static forward: the same
-    greedy tokens as eager SD and as plain decoding."""
-    model = tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu").model
-    drafter = quick_drafter(model, steps=40, num_prompts=8, max_tokens=24)
-    eager, graphed = _pair(tiny_llama_dir, "cpu", graphed_capture=False, drafter=drafter)
+@pytest.fixture(scope="module")
+def cpu_drafter(tiny_llama_dir):
+    return quick_drafter(tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu").model, steps=40, num_prompts=8,
+                         max_tokens=24)  # trained on CPU; SpecDecoder moves it to its engine's device
+
+
+@pytest.mark.parametrize("arm", [CHAIN, TREE], ids=["chain", "tree"])
+def test_padded_static_verification_matches_eager(tiny_llama_dir, cpu_drafter, arm):
+    """Speculative steps (a chain of 3, a top-4 tree of 24 drafts: tree-masked forwards of 4 and 25 tokens a row)
+    through the padded static forward: the same greedy tokens as eager SD and as plain decoding."""
+    eager, graphed = _pair(tiny_llama_dir, "cpu", graphed_capture=False, drafter=cpu_drafter, arm=arm)
     prompts, kinds = _requests(seed=1)
     graphs = _check_same(eager, graphed, prompts, kinds, temperature=0.0)
-    assert any(t == 4 and tree for _, t, tree in graphs.graphs)
+    T = 1 + arm.get("num_draft_tokens", arm["num_speculative_tokens"])
+    assert any(t == T and tree for _, t, tree in graphs.graphs)
     plain = tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=16)
     _check_same(plain, graphed, prompts, kinds, temperature=0.0)
 
@@ -74,7 +84,7 @@ def test_bucket_never_exceeds_the_slots(tiny_llama_dir):
     llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=10)
     g = GraphedForward(llm.engine.model, llm.engine.kv, capture=False)
     assert [g.bucket(b) for b in (1, 3, 5, 9, 10)] == [1, 4, 8, 10, 10]
-    assert not g.serves(11, 1) and not g.serves(4, 17) and g.serves(10, 16)
+    assert not g.serves(11, 1) and not g.serves(4, 65) and g.serves(10, 64)
 
 
 @cuda
@@ -89,10 +99,34 @@ def test_cuda_graphs_match_eager_on_gpu(tiny_llama_dir, temperature):
 
 
 @cuda
-def test_cuda_graph_verification_on_gpu(tiny_llama_dir):
-    model = tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu").model
-    drafter = quick_drafter(model, steps=40, num_prompts=8, max_tokens=24)  # trained on CPU, moved by SpecDecoder
-    eager, graphed = _pair(tiny_llama_dir, "cuda", graphed_capture=True, drafter=drafter)
+@pytest.mark.parametrize("arm", [CHAIN, TREE], ids=["chain", "tree"])
+def test_cuda_graph_verification_on_gpu(tiny_llama_dir, cpu_drafter, arm):
+    eager, graphed = _pair(tiny_llama_dir, "cuda", graphed_capture=True, drafter=cpu_drafter, arm=arm)
     prompts, kinds = _requests(seed=1)
     graphs = _check_same(eager, graphed, prompts, kinds, temperature=0.0)
-    assert any(t == 4 and tree for _, t, tree in graphs.graphs) and graphs.num_captured > 0
+    T = 1 + arm.get("num_draft_tokens", arm["num_speculative_tokens"])
+    assert any(t == T and tree for _, t, tree in graphs.graphs) and graphs.num_captured > 0
+
+
+def test_bandit_skips_steps_that_captured_a_graph(tiny_llama_dir, cpu_drafter, monkeypatch):
+    """A step that captured a graph costs many plain steps once: the adaptive policy must not learn from it (an
+    "off" step timed with a capture made every SD arm look 30x faster on an H100). Captures are simulated on CPU:
+    each new shape counts as one, and the step runs the static forward uncaptured."""
+    events = []
+
+    def fake_capture(self, g):
+        self.num_captured += 1
+        events.append("capture")
+    monkeypatch.setattr(GraphedForward, "_capture", fake_capture)
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=16)
+    llm.engine.runner.graphs = GraphedForward(llm.engine.model, llm.engine.kv, capture=True)
+    spec = SpecDecoder(llm.engine, SpecConfig(method="eagle", bs_threshold=None), cpu_drafter)
+    update, step = spec.bandit.update, spec.step
+    monkeypatch.setattr(spec.bandit, "update", lambda *a: (events.append("update"), update(*a)))
+    monkeypatch.setattr(spec, "step", lambda seqs: (events.append("step"), step(seqs))[1])
+    prompts, kinds = _requests(seed=2)
+    _generate(llm, prompts, kinds, temperature=0.0)
+    steps = " ".join(events).split("step")[1:]
+    captured = ["capture" in s for s in steps]
+    assert any(captured) and not all(captured)
+    assert all(("update" in s) != c for s, c in zip(steps, captured))

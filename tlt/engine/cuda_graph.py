@@ -7,8 +7,9 @@ once per (batch bucket, new tokens per row, tree mask or not) and replayed: one 
 Shapes are static inside a graph, so:
   - a batch of B rows runs in the smallest bucket >= B; rows B.. are padding that writes its K/V into free slots
     (slots B.. hold no running sequence: running rows are slots 0..B-1), at the last positions of the capacity;
-  - the attention mask spans the cache's whole capacity (`CacheView.static`), read by the small-query attention
-    the eager path already uses for these forwards, so a graph computes what the eager forward computes;
+  - the attention mask spans the cache's whole capacity (`CacheView.static`); up to SMALL_QUERY new tokens it is
+    the small-query attention's bias over the capacity, as in the eager path, beyond that SDPA's mask over the
+    whole capacity instead of the longest row's length: a graph computes what the eager forward computes;
   - the graphs hold the cache's tensors: they are captured anew when the cache grows (every `ROUND` positions;
     all slots are allocated at the first graphed step).
 A graph is captured on the step that first needs it, with that step's own inputs: its warm-up forwards write the
@@ -22,10 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from tlt.engine.kv_cache import KVCache
-from tlt.models.decoder import SMALL_QUERY, CacheView, Decoder
+from tlt.models.decoder import CacheView, Decoder
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 ROUND = 256  # cache capacity grows in steps of this many positions while graphs are in use
+MAX_TOKENS = 64  # new tokens per row up to which forwards are graphed (the GPU arm table verifies at most 49)
 
 
 @dataclass
@@ -48,7 +50,7 @@ class GraphedForward:
         kv.round_to = max(kv.round_to, ROUND)
 
     def serves(self, B: int, T: int) -> bool:
-        return T <= SMALL_QUERY and B <= self.kv.num_slots
+        return T <= MAX_TOKENS and B <= self.kv.num_slots
 
     def bucket(self, B: int) -> int:
         return min(next((b for b in BUCKETS if b >= B), B), self.kv.num_slots)
@@ -65,11 +67,11 @@ class GraphedForward:
         if key != self.cache_key:  # graphs read the cache by address: a grown cache needs new ones
             self.graphs.clear()
             self.cache_key = key
-        Bp = self.bucket(B)
-        g = self.graphs.get((Bp, T, tree_mask is not None))
+        shape = (self.bucket(B), T, tree_mask is not None)
+        g = self.graphs.get(shape)
         new = g is None
         if new:
-            g = self._buffers(Bp, T, tree_mask is not None)
+            g = self.graphs[shape] = self._buffers(*shape)
         g.ids[:B] = ids
         g.ids[B:] = 0
         g.lens[:B] = lens
@@ -81,20 +83,17 @@ class GraphedForward:
             g.tree[B:] = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
         if new and self.capture:
             self._capture(g)
-            self.graphs[(Bp, T, g.tree is not None)] = g
         if g.graph is not None:
             g.graph.replay()
         else:
             g.out = self._run(g)
-            if new:
-                self.graphs[(Bp, T, g.tree is not None)] = g
         return g.out[:B].clone()
 
     def _buffers(self, Bp: int, T: int, tree: bool) -> _Graph:
         dev = self.kv.device
-        lens = torch.zeros(Bp, dtype=torch.long, device=dev)
         return _Graph(torch.zeros(Bp, T, dtype=torch.long, device=dev), torch.zeros(Bp, T, dtype=torch.long, device=dev),
-                      lens, torch.ones(Bp, T, T, dtype=torch.bool, device=dev).tril() if tree else None)
+                      torch.zeros(Bp, dtype=torch.long, device=dev),
+                      torch.ones(Bp, T, T, dtype=torch.bool, device=dev).tril() if tree else None)
 
     def _run(self, g: _Graph) -> torch.Tensor:
         view = CacheView(self.kv.k, self.kv.v, g.lens, 0, g.tree, static=True)

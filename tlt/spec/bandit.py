@@ -16,6 +16,10 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   arms measured at different batch sizes of one bucket: at bs 2-4 a decode step costs about the same at either
   end, so whichever arm happened to run at bs 4 looked twice as fast as one that ran at bs 2.
 - "off" is kept unless an SD arm beats it by `min_gain` (a tie costs SD's variance for nothing).
+- An arm is untried until a step of it is recorded, and an SD step is recorded only once its bucket has an "off"
+  step to measure it against. The caller leaves out steps that captured a CUDA graph (tlt.spec.spec_decoder):
+  timed with a capture, one plain step on an H100 made every SD arm look 30x faster; left out without these
+  rules, "off" had no step at all and the 1 s fallback made them look 100x faster.
 - Exploration skips arms that are confidently dominated (>= `min_samples` steps and below the best by more than
   `margin`, or any steps and below `far` (0.5) times the best: an arm at half the best's speed or less is not
   noise) except with probability `recheck`, so once SD is known not to pay, exploring costs ~epsilon * recheck
@@ -111,7 +115,6 @@ class StrategyBandit:
         # (select() runs every SD decode step: the estimate is O(1), not a pass over the window)
         self.steps = [{a.name: deque(maxlen=window) for a in bucket} for bucket in self.arms]
         self.totals = [{a.name: [0.0, 0.0] for a in bucket} for bucket in self.arms]
-        self.untried = [[a.name for a in bucket] for bucket in self.arms]  # in table order
         self.off_step_s: list[dict[int, float]] = [{} for _ in self.arms]  # per bucket: bs -> mean "off" step s
         self.counts = [Counter() for _ in self.arms]   # choices per bucket and arm
         self.since_forget = [0 for _ in self.arms]     # choices per bucket since the last forget (decays epsilon)
@@ -122,9 +125,9 @@ class StrategyBandit:
     def select(self, batch_size: int) -> Arm:
         b = self.bucket(batch_size)
         arms = self.arms[b]
-        if self.untried[b]:
-            name = self.untried[b].pop(0)
-            arm = next(a for a in arms if a.name == name)
+        untried = [a for a in arms if not self.steps[b][a.name]]
+        if untried:
+            arm = untried[0]
         elif self.rng.random() < self.epsilon * self.window / (self.window + self.since_forget[b]):
             best = self._best(b)
             live = [a for a in arms if not self._dominated(b, a.name, best)]
@@ -135,9 +138,18 @@ class StrategyBandit:
         self.since_forget[b] += 1
         return arm
 
+    @property
+    def untried(self) -> list[list[str]]:
+        """Per bucket, the arms with no step in their window, in table order: `select` tries them first. An arm
+        selected but not recorded (the caller left out a step that captured a CUDA graph) stays untried."""
+        return [[a.name for a in bucket if not self.steps[b][a.name]] for b, bucket in enumerate(self.arms)]
+
     def update(self, batch_size: int, arm: Arm, tokens: float, seconds: float) -> None:
-        """Record one step of `arm` run at `batch_size` (the size it was selected for): tokens emitted, seconds."""
+        """Record one step of `arm` run at `batch_size` (the size it was selected for): tokens emitted, seconds.
+        An SD step before any "off" step of its bucket is not recorded (nothing to measure it against yet)."""
         b = self.bucket(batch_size)
+        if arm.method != "off" and not self.off_step_s[b] and any(a.method == "off" for a in self.arms[b]):
+            return
         if arm.method == "off":
             known = self.off_step_s[b]
             known[batch_size] = seconds if batch_size not in known else 0.8 * known[batch_size] + 0.2 * seconds
@@ -169,8 +181,6 @@ class StrategyBandit:
                     self._drop_oldest(b, a.name)
                 if not steps:
                     self.totals[b][a.name] = [0.0, 0.0]  # exact zero, whatever the float residue of the sums
-                    if a.name not in self.untried[b]:
-                        self.untried[b].append(a.name)
 
     def _plain_step_s(self, b: int, batch_size: int) -> float:
         """Mean step time of "off" at this batch size, else at the nearest measured one; 1.0 before any."""

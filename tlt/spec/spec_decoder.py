@@ -139,6 +139,7 @@ class SpecDecoder:
     # ---- one speculative step -------------------------------------------------------------------------------
     def step(self, seqs: list[Sequence]) -> list[Sequence]:
         t0 = time.perf_counter()
+        captures = self._graph_captures()
         arm = self.bandit.select(len(seqs))
         bucket = self.bandit.bucket_name(self.bandit.bucket(len(seqs)))
         self.st["arm_counts"][f"{bucket}:{arm.name}"] += 1
@@ -151,8 +152,13 @@ class SpecDecoder:
             emitted = len(seqs)
         else:
             done, emitted = self._speculate(seqs, arm, bucket)
-        self.bandit.update(len(seqs), arm, emitted, time.perf_counter() - t0)
+        if self._graph_captures() == captures:  # a step that captured a CUDA graph (~10-100 plain steps' time, once
+            self.bandit.update(len(seqs), arm, emitted, time.perf_counter() - t0)  # per shape) says nothing of the arm
         return done
+
+    def _graph_captures(self) -> int:
+        graphs = self.engine.runner.graphs
+        return 0 if graphs is None else graphs.num_captured
 
     def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str) -> tuple[list[Sequence], int]:
         eng, dev = self.engine, self.engine.device
