@@ -65,6 +65,7 @@ def make_overrides(tmp_path, tiny_dir, reward: str = VARIED_REWARD, **extra) -> 
         "data.val_files": write_data(tmp_path / "val.jsonl", 3),
         "data.max_prompt_length": 64, "data.max_response_length": 16, "data.train_batch_size": 2,
         "rollout.n": 4, "rollout.dtype": "float32",  # the shared fp32 policy whatever this CPU's bf16 (auto)
+        "drafter_train.spot": False,  # drafter sessions after the update, whatever this machine's cores (null)
         "actor.lr": 1e-3, "reward.custom_function": f"{tmp_path / 'reward.py'}:score",
         "speculative.enabled": False, "trainer.total_steps": 2, "trainer.save_freq": -1, "trainer.test_freq": -1,
         "trainer.default_local_dir": str(tmp_path / "runs"), "trainer.logger": "[jsonl]", "trainer.resume": "disable",
@@ -612,3 +613,34 @@ def test_on_policy_old_log_probs_change_nothing_but_the_pass(tmp_path, tiny_dir,
     calls.clear()
     run(tmp_path / "mini", tiny_dir, **common, **{"actor.ppo_mini_batch_size": 1})
     assert calls == [4, 4]  # per step: the second prompt's 4 responses
+
+
+def test_spot_session_trains_alongside_the_next_rollout(tmp_path, tiny_dir):
+    """drafter_train.spot=true: the session on step k's data runs in a thread while step k+1's rollout runs and is
+    published after it, so version v reaches the engine one step later than with spot=false. The weights are
+    the ones spot=false trains (the same data, seed and steps): the thread changes when, not what."""
+    opts = {"speculative.enabled": True, "speculative.method": "eagle", "speculative.bs_threshold": 64,
+            "speculative.hysteresis_steps": 1, "drafter_train.min_buffer_tokens": 0, "drafter_train.batch_tokens": 128,
+            "drafter_train.window_len": 32, "drafter_train.holdout_fraction": 0.0, "drafter_train.compare_drafters":
+            False}
+    spot = run(tmp_path / "spot", tiny_dir, **opts, **{"drafter_train.spot": True, "trainer.total_steps": 3})
+    off = run(tmp_path / "off", tiny_dir, **opts, **{"drafter_train.spot": False, "trainer.total_steps": 2})
+    assert spot.drafter_hook.spot and not off.drafter_hook.spot
+    versions = [m["drafter/version"] for m in read_metrics(spot)]
+    assert versions == [0, 1, 2]  # nothing to train before step 1's data; then one session a step, a step late
+    assert [m["drafter/version"] for m in read_metrics(off)] == [1, 2]
+    assert all(m["drafter/train_time_s"] > 0 for m in read_metrics(spot)[1:])
+    for k, v in off.drafter_hook.drafter.trainable_state_dict().items():
+        torch.testing.assert_close(spot.drafter_hook.drafter.trainable_state_dict()[k], v, rtol=0, atol=0)
+        torch.testing.assert_close(spot.llm.spec.drafter.state_dict()[k], v.to(spot.llm.spec.drafter.state_dict()[k].dtype))
+
+
+def test_spot_null_means_an_idle_cpu_core(monkeypatch):
+    from tlt.rl.trainer import spot_training
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert spot_training(None, cpu) and not spot_training(None, cpu, world_size=2)
+    assert not spot_training(None, torch.device("cuda")) and spot_training(True, torch.device("cuda"))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert not spot_training(None, cpu) and not spot_training(False, cpu)

@@ -160,6 +160,11 @@ class DrafterTrainConfig:
     holdout_fraction: float = _f(0.05, "fraction of samples held out for acceptance metrics", ge=0, le=0.5)
     compare_drafters: bool = _f(True, "score online vs frozen warm-start vs n-gram drafters on each step's "
                                       "held-out responses (drafter/compare/*)")
+    spot: bool | None = _f(
+        None, "in-process runs: true = train the drafter on the steps so far in a thread alongside the next rollout, "
+                "on compute the rollout leaves idle (TLT's spot training; published after that rollout, so drafts "
+                "lag one more step); false = after the policy update, paid on top of the step; null = true when the "
+                "model is on CPU and the processes' torch threads leave a core idle")
 
 
 @dataclass

@@ -66,13 +66,17 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.y
 class DrafterHook:
     """Online drafter training plugs in here (tlt.drafter_train); this default does nothing.
 
-    after_rollout(step, rollout, outputs) runs once per step after the policy update: `rollout` holds the
+    before_rollout(step) runs at the start of each step, before its rollout (a hook may start work that overlaps
+    it). after_rollout(step, rollout, outputs) runs once per step after the policy update: `rollout` holds the
     responses trained on, `outputs` every engine output of the step (groups dropped by dynamic sampling too),
     with target hidden states ([R, H] bf16 per response) when wants_hidden_states is True. It returns metrics to
     log. state_dict() is saved with each checkpoint and load_state_dict() restores it on resume; export(dir) writes
     the drafter in use into each checkpoint (global_step_N/drafter/), the deployable by-product.
     """
     wants_hidden_states = False
+
+    def before_rollout(self, step: int) -> None:
+        return None
 
     def after_rollout(self, step: int, rollout: RolloutBatch, outputs: list[RequestOutput]) -> dict[str, float]:
         return {}
@@ -179,6 +183,7 @@ class GRPOTrainer:
         for step in range(self.start_step + 1, t.total_steps + 1):
             timer = PhaseTimer()
             with timer("step"):
+                self.drafter_hook.before_rollout(step)
                 rollout, outputs, step_metrics = self.collect_rollouts(step, timer)
                 adv = compute_advantages(rollout.scores, rollout.group_ids, cfg.algorithm)
                 batch = rollout.to_actor_batch(adv.values, self.loss_mask(rollout, adv.valid_mask),
@@ -376,7 +381,8 @@ class GRPOTrainer:
                 and c.trainer.num_rollout_workers <= 1):
             return DrafterHook()
         from tlt.drafter_train.online import OnlineDrafterHook
-        return OnlineDrafterHook(c.drafter_train, self.llm.spec, seed=c.trainer.seed + self.dist.rank)
+        return OnlineDrafterHook(c.drafter_train, self.llm.spec, seed=c.trainer.seed + self.dist.rank,
+                                 spot=spot_training(c.drafter_train.spot, self.device, self.dist.world_size))
 
     def _fresh_drafter(self) -> str:
         """speculative.model=null with eagle: a freshly initialised drafter for this policy (trained online)."""
@@ -444,6 +450,15 @@ def _on_main(info: DistInfo, fn):
     if info.world_size > 1:
         dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def spot_training(setting: bool | None, device: torch.device, world_size: int = 1) -> bool:
+    """drafter_train.spot: true, false, or null = true where a CPU core is idle during the rollout (the model on
+    CPU and this machine's processes using fewer torch threads in all than it has cores)."""
+    if setting is not None:
+        return setting
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return device.type == "cpu" and torch.get_num_threads() * world_size < cores
 
 
 def prepare_config(cfg: Config, info: DistInfo) -> None:
