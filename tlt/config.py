@@ -195,6 +195,13 @@ class Config:
     drafter_train: DrafterTrainConfig = field(default_factory=DrafterTrainConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
+    def engine_args(self) -> dict[str, Any]:
+        """tlt.LLM's engine arguments for an engine that samples this config's rollouts (the trainer's, the
+        run summary's plain twin, `tlt eval`'s, the Ray replicas')."""
+        return {"max_num_seqs": self.rollout.max_num_seqs,
+                "max_model_len": self.data.max_prompt_length + self.data.max_response_length,
+                "seed": self.trainer.seed, "enforce_eager": self.rollout.enforce_eager}
+
     def policy_dtype(self) -> str:
         """The trainer's weights: fp32 master weights unless model.dtype=bfloat16 (model.dtype=auto means fp32
         for training, where tlt.LLM would pick bf16 on bf16-capable hardware: AdamW's ~1e-6 updates vanish in bf16)."""

@@ -38,6 +38,7 @@ class _Graph:
     tree: torch.Tensor | None         # [Bp, T, T] or None (causal)
     out: torch.Tensor | None = None   # [Bp, T, H] ... and output
     graph: "torch.cuda.CUDAGraph | None" = None
+    padded_from: int = -1             # rows from here on hold the padding inputs (refilled when B changes)
 
 
 class GraphedForward:
@@ -73,14 +74,17 @@ class GraphedForward:
         if new:
             g = self.graphs[shape] = self._buffers(*shape)
         g.ids[:B] = ids
-        g.ids[B:] = 0
         g.lens[:B] = lens
-        g.lens[B:] = kv.capacity - T  # padding rows: the last T positions of free slots
         g.positions[:B] = positions
-        g.positions[B:] = g.lens[B:, None] + torch.arange(T, device=ids.device)
         if g.tree is not None:
             g.tree[:B] = tree_mask
-            g.tree[B:] = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        if g.padded_from != B:  # padding rows: the last T positions of free slots (a graph's capacity is fixed)
+            g.ids[B:] = 0
+            g.lens[B:] = kv.capacity - T
+            g.positions[B:] = g.lens[B:, None] + torch.arange(T, device=ids.device)
+            if g.tree is not None:
+                g.tree[B:] = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+            g.padded_from = B
         if new and self.capture:
             self._capture(g)
         if g.graph is not None:

@@ -85,10 +85,22 @@ class ModelRunner:
         """One token for each running sequence (rows = slots 0..B-1) -> (logits [B, V] fp32, hidden [B, H])."""
         cached = self._tensor([s.num_cached for s in seqs])
         ids = self._tensor([[s.last_token] for s in seqs])
-        if self.graphs is not None and self.graphs.serves(len(seqs), 1):
-            hidden = self.graphs.forward(ids, cached[:, None], cached)[:, 0]
-        else:
-            hidden = self.model(ids, cached[:, None], self.kv.view(cached))[:, 0]
+        hidden = self.cached_forward(ids, cached[:, None], cached)[:, 0]
         for s in seqs:
             s.num_cached += 1
         return self.model.logits(hidden), hidden
+
+    @torch.inference_mode()
+    def cached_forward(self, ids: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
+                       tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """A few new tokens a row over the cache (decode, SD verification): ids, positions [B, T], lens [B] cached
+        tokens before them, tree_mask [B, T, T] or None (causal) -> last hidden state [B, T, H]; through a captured
+        graph where one serves."""
+        if self.graphs is not None and self.graphs.serves(*ids.shape):
+            return self.graphs.forward(ids, positions, lens, tree_mask)
+        return self.model(ids, positions, self.kv.view(lens, tree_mask=tree_mask))
+
+    @property
+    def num_graph_captures(self) -> int:
+        """CUDA graphs captured so far (a capturing step costs many plain steps, once)."""
+        return 0 if self.graphs is None else self.graphs.num_captured

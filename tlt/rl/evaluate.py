@@ -113,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     d, r = cfg.data, cfg.rollout
     examples, num_filtered = load_examples(d.val_files, tokenizer, d.prompt_key, d.max_prompt_length,
                                            d.filter_overlong_prompts)
-    llm = LLM(model=model, tokenizer=tokenizer, max_num_seqs=r.max_num_seqs,
-              max_model_len=d.max_prompt_length + d.max_response_length, seed=cfg.trainer.seed,
-              enforce_eager=r.enforce_eager)
+    llm = LLM(model=model, tokenizer=tokenizer, **cfg.engine_args())
     rewards = RewardManager(dataclasses.replace(cfg.reward, format_weight=0.0))
     result = evaluate(llm, examples, rewards, n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                       max_tokens=d.max_response_length, seed=cfg.trainer.seed, batch_size=d.val_batch_size)

@@ -24,12 +24,8 @@ def compare_sd(trainer) -> dict[str, Any] | None:
     prompts, params = trainer.last_rollout
     params = [dataclasses.replace(p, return_hidden_states=False) for p in params]
     ids = [ex.prompt_ids for ex in prompts]
-    d = trainer.cfg.data
     # plain decoding of the very weights the SD engine decodes (rollout_model: a bf16 copy by default on bf16 CPUs)
-    plain = LLM(model=trainer.rollout_model, tokenizer=trainer.tokenizer,
-                max_num_seqs=trainer.cfg.rollout.max_num_seqs,
-                max_model_len=d.max_prompt_length + d.max_response_length, seed=trainer.cfg.trainer.seed,
-                enforce_eager=trainer.cfg.rollout.enforce_eager)
+    plain = LLM(model=trainer.rollout_model, tokenizer=trainer.tokenizer, **trainer.cfg.engine_args())
 
     def timed(llm) -> tuple[float, list[list[int]]]:
         t0 = time.perf_counter()

@@ -161,9 +161,8 @@ class GRPOTrainer:
         self.rewards = RewardManager(cfg.reward)
         self.actor = Actor(self.model, cfg.actor, t.total_steps)
         self.rollout_model = self._rollout_model()  # self.model, or a copy in rollout.dtype
-        self.llm = LLM(model=self.rollout_model, tokenizer=self.tokenizer, max_num_seqs=cfg.rollout.max_num_seqs,
-                       max_model_len=d.max_prompt_length + d.max_response_length, seed=t.seed,
-                       speculative_config=self._speculative_config(), enforce_eager=cfg.rollout.enforce_eager)
+        self.llm = LLM(model=self.rollout_model, tokenizer=self.tokenizer, speculative_config=self._speculative_config(),
+                       **cfg.engine_args())
         self.drafter_hook = drafter_hook or self._default_drafter_hook()
         self.rollout_engine = self._rollout_engine()  # self.llm, or rollout replicas with spot drafter training
         self.last_rollout: tuple[list, list] | None = None  # (prompts, sampling params) of the latest rollout

@@ -139,7 +139,7 @@ class SpecDecoder:
     # ---- one speculative step -------------------------------------------------------------------------------
     def step(self, seqs: list[Sequence]) -> list[Sequence]:
         t0 = time.perf_counter()
-        captures = self._graph_captures()
+        captures = self.engine.runner.num_graph_captures
         arm = self.bandit.select(len(seqs))
         bucket = self.bandit.bucket_name(self.bandit.bucket(len(seqs)))
         self.st["arm_counts"][f"{bucket}:{arm.name}"] += 1
@@ -152,13 +152,9 @@ class SpecDecoder:
             emitted = len(seqs)
         else:
             done, emitted = self._speculate(seqs, arm, bucket)
-        if self._graph_captures() == captures:  # a step that captured a CUDA graph (~10-100 plain steps' time, once
-            self.bandit.update(len(seqs), arm, emitted, time.perf_counter() - t0)  # per shape) says nothing of the arm
+        if self.engine.runner.num_graph_captures == captures:  # a step that captured a CUDA graph (~10-100 plain
+            self.bandit.update(len(seqs), arm, emitted, time.perf_counter() - t0)  # steps, once) says nothing of the arm
         return done
-
-    def _graph_captures(self) -> int:
-        graphs = self.engine.runner.graphs
-        return 0 if graphs is None else graphs.num_captured
 
     def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str) -> tuple[list[Sequence], int]:
         eng, dev = self.engine, self.engine.device
@@ -233,12 +229,7 @@ class SpecDecoder:
         kv = self.engine.kv
         kv.ensure_capacity(int(n.max()) + tokens.shape[1] + 1)
         positions = n[:, None] + node_depths(parents)
-        mask = tree_attention_mask(parents, valid)
-        graphs = self.engine.runner.graphs
-        if graphs is not None and graphs.serves(*tokens.shape):
-            hidden = graphs.forward(tokens, positions, n, mask)
-        else:
-            hidden = self.model(tokens, positions, kv.view(n.clone(), tree_mask=mask))  # [B, N + 1, H]
+        hidden = self.engine.runner.cached_forward(tokens, positions, n.clone(), tree_attention_mask(parents, valid))
         return self.model.logits(hidden), hidden
 
     def _target_probs(self, seqs, logits: torch.Tensor) -> torch.Tensor:
