@@ -76,3 +76,14 @@ def test_compare_learning_checks_the_first_step_on_its_own():
     shifted = [rec(same + 40), off[1]]
     res = compare_learning(off, shifted)
     assert res["step1_lengths_ks_p"] < 1e-6 and res["step1_lengths_mwu_p"] < 1e-6
+
+
+def test_summary_reports_the_free_rollout_ceiling():
+    """gen_share and free_rollout_bound are per-step medians of gen/step and step/(step - gen): a rollout of 3 s in
+    a 12 s step bounds any rollout speedup at 12/9 = 1.33x; a wrong reading (gen/step or step/gen) fails."""
+    def rec(gen, step):
+        return {"metrics": {"timing_s/gen": gen, "timing_s/step": step + 5.0, "timing_s/testing": 5.0},
+                "scores": [1.0, 0.0], "lengths": [10, 20]}
+    res = e2e.summarize({"off": [rec(3.0, 12.0), rec(2.0, 10.0), rec(4.0, 12.0)]})["off"]
+    assert abs(res["gen_share"] - 0.25) < 1e-9  # median of 0.25, 0.2, 0.333
+    assert abs(res["free_rollout_bound"] - 12 / 9) < 1e-9  # median of 1.333, 1.25, 1.5

@@ -269,6 +269,8 @@ def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
         gen_tok_s = [sum(r["lengths"]) / g for r, g in zip(recs, gen)]
         m = {"gen_s": statistics.median(gen), "gen_spread": spread(gen), "gen_tok_s": statistics.median(gen_tok_s),
              "step_s": statistics.median(step), "step_spread": spread(step),
+             "gen_share": statistics.median(g / t for g, t in zip(gen, step)),
+             "free_rollout_bound": statistics.median(t / max(t - g, 1e-9) for g, t in zip(gen, step)),
              "reward": float(np.mean([x for r in recs for x in r["scores"]])),
              "resp_len": float(np.mean([x for r in recs for x in r["lengths"]])),
              "accept_len": _median_metric(recs, "rollout/spec_accept_length"),
@@ -369,8 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     print("times: median over steps (min-max); speedup = off / mode on the same step; gen_tok_s = response tokens / "
           "rollout s")
     rows = [{"mode": m, **v} for m, v in res.items()]
-    print_table(rows, ["mode", "gen_s", "gen_spread", "gen_tok_s", "step_s", "step_spread", "gen_speedup", "gen_speedup_spread",
-                       "step_speedup", "step_speedup_spread", "accept_len", "sd_on"])
+    print_table(rows, ["mode", "gen_s", "gen_spread", "gen_tok_s", "step_s", "step_spread", "gen_share", "gen_speedup",
+                       "gen_speedup_spread", "step_speedup", "step_speedup_spread", "accept_len", "sd_on"])
     if "off" in res and len(res) > 1:
         print("\nlearning vs off. same_resp: fraction of responses equal to off's, token for token (1.0: the same "
               "training run). Per-response law tests (p > 0.05 = no detectable difference); step1_*: the first step, "
@@ -388,10 +390,14 @@ def main(argv: list[str] | None = None) -> int:
     verdict = (f"best median here {best:.2f}x ({'met' if best >= STEP_SPEEDUP_GOAL else 'not met'})"
                if any(m != "off" for m in res) else "no SD mode ran (--modes)")
     print(f"\ngoal: step time >= {STEP_SPEEDUP_GOAL}x faster than SD off; {verdict}; curves: {png}")
+    if "off" in res:  # Amdahl: SD speeds the rollout only, so no SD mode can beat a rollout that takes no time
+        print(f"ceiling: with SD off the rollout is {res['off']['gen_share']:.0%} of a step (median), so a rollout "
+              f"that took no time would make the step at most {res['off']['free_rollout_bound']:.2f}x faster")
     print_json_line("e2e", {"config": config_path, "model": cfg.model.path, "steps": steps, "threads": a.threads,
                             "train_batch_size": d.train_batch_size, "n": r.n,
                             "max_response_length": d.max_response_length, "sd_method": method, "drafter": drafter,
                             "drafter_note": note, "png": str(png), "modes": res,
                             "goal": {"step_speedup": STEP_SPEEDUP_GOAL, "best": best,
-                                     "met": best >= STEP_SPEEDUP_GOAL}})
+                                     "met": best >= STEP_SPEEDUP_GOAL,
+                                     "free_rollout_bound": res["off"]["free_rollout_bound"] if "off" in res else None}})
     return 0
