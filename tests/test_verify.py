@@ -334,3 +334,38 @@ def test_tree_mask_and_depths_drive_a_tree_forward():
                     x = int(parents[b, x])
                 seq = torch.cat([prompt[b], torch.tensor(path[::-1])])[None]
                 torch.testing.assert_close(tree_logits[b, n], model.logits(model(seq))[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def _mask_by_walk(parents, valid):
+    """The reference: walk the nodes in order, each copying its parent's row (parents come first)."""
+    B, N = parents.shape
+    mask = torch.eye(N, dtype=torch.bool).repeat(B, 1, 1)
+    depth = torch.zeros(B, N, dtype=torch.long)
+    for b in range(B):
+        for n in range(1, N):
+            par = int(parents[b, n])
+            if par >= 0:
+                depth[b, n] = depth[b, par] + 1
+                if valid[b, n]:
+                    mask[b, n] |= mask[b, par]
+    return mask, depth
+
+
+def test_tree_mask_and_depths_equal_a_node_walk_on_random_trees():
+    """The closure by repeated squaring equals the node-by-node walk on random trees of 2-64 nodes, with invalid
+    nodes (also under valid ones), chains (depth N - 1: the longest path the squaring must cover) and roots only."""
+    g = torch.Generator().manual_seed(0)
+    for N in (1, 2, 3, 5, 9, 17, 25, 33, 64):
+        B = 6
+        # node n's parent is any earlier node
+        parents = torch.tensor([[-1] + [int(torch.randint(0, n, (1,), generator=g)) for n in range(1, N)]
+                                for _ in range(B)])
+        parents[0] = torch.arange(-1, N - 1)  # a chain
+        valid = torch.rand(B, N, generator=g) > 0.2
+        valid[:, 0] = True
+        want_mask, want_depth = _mask_by_walk(parents, valid)
+        assert torch.equal(tree_attention_mask(parents, valid), want_mask), N
+        assert torch.equal(tree_attention_mask(parents), _mask_by_walk(parents, torch.ones_like(valid))[0]), N
+        assert torch.equal(node_depths(parents), want_depth), N
+        if N > 2:  # a chain's last node reaches the root: one squaring too few would miss it
+            assert node_depths(parents)[0, -1] == N - 1

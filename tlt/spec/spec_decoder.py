@@ -205,14 +205,12 @@ class SpecDecoder:
         T = max(e - st + 1 for st, e in zip(starts, ends))
         H = self.model.cfg.hidden_size
         hid = torch.zeros(len(seqs), T, H, dtype=self.engine.dtype, device=dev)
-        ids = torch.zeros(len(seqs), T, dtype=torch.long, device=dev)
-        pos = torch.zeros(len(seqs), T, dtype=torch.long, device=dev)
         for i, (s, st, e) in enumerate(zip(seqs, starts, ends)):
-            c = e - st + 1
-            all_ids = s.all_ids()
-            hid[i, :c] = self.hist[s.seq_id][st - 1:e]
-            ids[i, :c] = torch.tensor(all_ids[st:e + 1], device=dev)
-            pos[i, :c] = torch.arange(st, e + 1, device=dev)
+            hid[i, :e - st + 1] = self.hist[s.seq_id][st - 1:e]
+        # token ids and positions built on the host, one copy each (padding: id 0 at position 0)
+        ids = torch.tensor([(s.all_ids()[st:e + 1] + [0] * T)[:T] for s, st, e in zip(seqs, starts, ends)], device=dev)
+        pos = torch.tensor([list(range(st, e + 1)) + [0] * (T - (e - st + 1)) for st, e in zip(starts, ends)],
+                           device=dev)
         cached = [st - 1 for st in starts]
         # rows are padded to T, so a row deep into SD writes its padding up to (its cached entries) + T
         self.dcache.ensure_capacity(max(cached) + T)
@@ -244,10 +242,10 @@ class SpecDecoder:
         """Move accepted nodes' K/V to consecutive positions after the root; keep their hidden states."""
         kv = self.engine.kv
         rows, src, dst = [], [], []
-        for i, path in enumerate(paths):
+        for i, (s, path) in enumerate(zip(seqs, paths)):  # s.num_cached == n[i], read on the host
             for j, node in enumerate(path):
                 if node != j:
-                    rows.append(i); src.append(int(n[i]) + node); dst.append(int(n[i]) + j)
+                    rows.append(i); src.append(s.num_cached + node); dst.append(s.num_cached + j)
         if rows:
             r, s_, d_ = (torch.tensor(x, device=n.device) for x in (rows, src, dst))
             for t in kv.k + kv.v:

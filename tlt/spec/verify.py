@@ -222,25 +222,27 @@ def chain_to_tree(root_ids: torch.Tensor, draft_ids: torch.Tensor,
     return tokens, parents, valid
 
 
+def _ancestor_closure(parents: torch.Tensor, edge: torch.Tensor) -> torch.Tensor:
+    """parents [B, N], edge [B, N] bool (whether node n's link to its parent counts) -> [B, N, N] bool, True where
+    m is n or an ancestor of n along counted links: (I + A) squared until it spans N - 1 links, a handful of
+    batched ops whatever the tree, where a walk over the nodes costs a few kernel launches per node (on a GPU, SD's
+    bookkeeping is paid per launch) and nothing here waits on the device."""
+    B, N = parents.shape
+    links = torch.nn.functional.one_hot(parents.clamp(min=0), N).float() * edge[..., None]
+    reach = (torch.eye(N, device=parents.device) + links).clamp_(max=1.0)
+    hops = 1
+    while hops < N - 1:  # reach covers paths of up to `hops` links
+        reach = (reach @ reach).clamp_(max=1.0)
+        hops *= 2
+    return reach > 0
+
+
 def tree_attention_mask(parents: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """[B, N] -> [B, N, N] bool, True where node n may attend to node m (m is n or an ancestor of n): the
     CacheView.tree_mask of the verify forward. Invalid nodes attend only to themselves."""
-    B, N = parents.shape
-    eye = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, N, N)
-    mask = eye.clone()
-    ok = parents >= 0 if valid is None else (parents >= 0) & valid
-    rows = torch.arange(B, device=parents.device)
-    for n in range(1, N):  # parents come first, so their rows are final when node n copies them
-        anc = mask[rows, parents[:, n].clamp(min=0)] | eye[:, n]
-        mask[:, n] = torch.where(ok[:, n, None], anc, eye[:, n])
-    return mask
+    return _ancestor_closure(parents, parents >= 0 if valid is None else (parents >= 0) & valid)
 
 
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
     """[B, N] -> depth [B, N] (root 0): add to the root's position to get each node's position id."""
-    B, N = parents.shape
-    depth = torch.zeros(B, N, dtype=torch.long, device=parents.device)
-    rows = torch.arange(B, device=parents.device)
-    for n in range(1, N):
-        depth[:, n] = torch.where(parents[:, n] >= 0, depth[rows, parents[:, n].clamp(min=0)] + 1, 0)
-    return depth
+    return _ancestor_closure(parents, parents >= 0).sum(-1) - 1
