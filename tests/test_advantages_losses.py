@@ -146,3 +146,53 @@ def test_total_loss_with_entropy_and_kl():
         compute_actor_loss(log_probs, OLD, ADV, MASK, cfg, entropy=entropy)
     with pytest.raises(KeyError, match="vanilla"):
         get_policy_loss("vanila")
+
+
+def _gspo_by_sequence(log_probs, old, adv_seq, mask, low, high):
+    """GSPO as the paper writes it: one ratio a response, s_i = (pi / pi_old)^(1 / |y_i|), clipped, mean over i."""
+    m = mask.float()
+    s = (((log_probs - old) * m).sum(-1) / m.sum(-1)).exp()
+    return torch.maximum(-adv_seq * s, -adv_seq * s.clamp(1 - low, 1 + high)).mean()
+
+
+def test_gspo_token_form_has_the_sequence_objectives_value_and_gradient():
+    """policy_loss=gspo (token form, aggregated per response) equals the sequence-level GSPO objective in value and
+    gradient, with a response clipped (its gradient 0) and unequal lengths; vanilla's per-token ratios give
+    another gradient (negative control)."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 4, 5
+    old = -torch.rand(B, T, generator=g) * 3
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]], dtype=torch.float32)
+    adv_seq = torch.tensor([0.7, -1.2, 0.4, 1.0])
+    shift = torch.randn(B, T, generator=g) * 2e-4
+    shift[3] = 0.05  # response 3: ratio e^0.05, far outside the GSPO clip with a positive advantage
+    cfg = ActorConfig(policy_loss="gspo", clip_ratio_low=3e-4, clip_ratio_high=4e-4)  # loss_agg_mode token-mean
+    ours = (old + shift).requires_grad_()
+    loss, metrics = compute_actor_loss(ours, old, adv_seq[:, None] * mask, mask, cfg)
+    loss.backward()
+    ref = (old + shift).requires_grad_()
+    want = _gspo_by_sequence(ref, old, adv_seq, mask, 3e-4, 4e-4)
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    torch.testing.assert_close(ours.grad * mask, ref.grad * mask, rtol=1e-5, atol=1e-9)
+    assert torch.all(ours.grad[3] == 0) and torch.all(ours.grad[:3][mask[:3] > 0] != 0)
+    assert metrics["actor/pg_clipfrac"] > 0
+    vanilla = (old + shift).requires_grad_()
+    compute_actor_loss(vanilla, old, adv_seq[:, None] * mask, mask,
+                       ActorConfig(clip_ratio_low=3e-4, clip_ratio_high=4e-4))[0].backward()
+    assert not torch.allclose(vanilla.grad * mask, ref.grad * mask, rtol=1e-3, atol=0)
+
+
+def test_gspo_on_policy_and_split_into_micro_batches():
+    """On policy every ratio is 1: loss = -mean of the responses' advantages, nothing clipped; micro-batches
+    normalised by the mini-batch's response count sum to the full batch."""
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.float32)
+    logp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.1, -3.0], [-2.0, 0.0, 0.0]])
+    adv = torch.tensor([1.0, -0.5, 2.0])[:, None] * mask
+    cfg = ActorConfig(policy_loss="gspo")
+    full, metrics = compute_actor_loss(logp, logp, adv, mask, cfg)
+    assert full.item() == pytest.approx(-(1.0 - 0.5 + 2.0) / 3)
+    assert metrics["actor/pg_clipfrac"] == 0 and metrics["actor/ppo_kl"] == 0
+    parts = [compute_actor_loss(logp[s], logp[s], adv[s], mask[s], cfg, global_num_tokens=6, global_num_seqs=3)[0]
+             for s in (slice(0, 2), slice(2, 3))]
+    assert sum(parts).item() == pytest.approx(full.item())

@@ -168,6 +168,28 @@ def test_metrics_have_verl_names(tmp_path, tiny_dir):
     assert any(p.name.startswith("events") for p in (trainer.run_dir / "tensorboard").iterdir())
 
 
+def test_gspo_trains_from_the_command_line_config(tmp_path, tiny_dir):
+    """actor.policy_loss=gspo with the paper's clip ranges runs a step that moves the policy, logging verl's names."""
+    from tlt.models.loader import load_model
+    initial = load_model(tiny_dir).state_dict()
+    trainer = run(tmp_path, tiny_dir, **{"actor.policy_loss": "gspo", "actor.clip_ratio_low": 3e-4,
+                                         "actor.clip_ratio_high": 4e-4, "trainer.total_steps": 1})
+    m = read_metrics(trainer)[0]
+    assert m["actor/pg_clipfrac"] == 0 and m["actor/ppo_kl"] == 0  # one mini-batch: on policy, ratio 1
+    assert all(torch.isfinite(torch.tensor(m[k])) for k in ("actor/pg_loss", "actor/grad_norm"))
+    final = trainer.model.state_dict()
+    assert sum(not torch.equal(initial[k], final[k]) for k in initial) >= len(initial) // 2
+
+
+def test_unknown_policy_loss_or_estimator_fails_before_any_rollout(tmp_path, tiny_dir):
+    from tlt.config import ConfigError
+    for key, value, valid in (("actor.policy_loss", "gpso", "gspo, vanilla"),
+                              ("algorithm.adv_estimator", "rlo", "grpo, rloo")):
+        cfg = load_config(None, make_overrides(tmp_path, tiny_dir, **{key: value}))
+        with pytest.raises(ConfigError, match=f"'{value}'; registered: {valid}.*{key}"):
+            GRPOTrainer(cfg)
+
+
 def test_failing_and_hanging_rewards_are_counted_and_run_goes_on(tmp_path, tiny_dir):
     trainer = run(tmp_path, tiny_dir, reward=FAILING_REWARD, **{"reward.timeout_s": 0.2})
     lines = read_metrics(trainer)

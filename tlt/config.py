@@ -80,7 +80,9 @@ class ActorConfig:
     betas: list[float] = _f([0.9, 0.999], "AdamW betas [beta1, beta2]")
     warmup_steps: int = _f(0, "linear lr warm-up steps", ge=0)
     lr_scheduler: Literal["constant", "cosine"] = _f("constant", "lr schedule after warm-up")
-    policy_loss: str = _f("vanilla", "registered policy loss (tlt.rl.losses); vanilla = clipped surrogate")
+    policy_loss: str = _f("vanilla", "registered policy loss (tlt.rl.losses): vanilla = PPO's clipped surrogate per "
+                                     "token; gspo = one clipped ratio per response (GSPO; aggregated per response; "
+                                     "use clip ratios ~3e-4 / 4e-4)")
     clip_ratio_low: float = _f(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", ge=0)
     clip_ratio_high: float = _f(0.28, "PPO clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher)", ge=0)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = _f(

@@ -6,6 +6,9 @@ metrics; `compute_actor_loss` aggregates it (actor.loss_agg_mode) and adds the e
 
     loss = agg(pg_losses) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl(logp, ref_logp))
 
+(A policy loss listed in PG_AGG_MODE aggregates its own term its way: GSPO per response.) Losses: vanilla (PPO's
+clipped surrogate per token, DAPO's clip-higher) and gspo (one clipped ratio per response).
+
 Gradient accumulation over micro-batches: pass global_num_tokens (token-mean) or global_num_seqs (seq-mean-*)
 counted over the whole mini-batch, so that summing micro-batch losses equals the full-batch loss.
 """
@@ -101,6 +104,34 @@ def clipped_surrogate(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adva
     return pg_losses, metrics
 
 
+@register_policy_loss("gspo")
+def gspo(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+         response_mask: torch.Tensor, cfg: ActorConfig) -> tuple[torch.Tensor, Metrics]:
+    """GSPO (Zheng et al. 2025, Group Sequence Policy Optimization): one importance ratio per response, the
+    geometric mean of its token ratios, s_i = exp(mean_t(log pi - log pi_old)), clipped per response.
+
+    Written in the token form (GSPO-token): s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)], which equals s_i in value and,
+    with one advantage per response (GRPO, RLOO), gives GSPO's gradient once averaged per response (PG_AGG_MODE:
+    seq-mean-token-mean, whatever actor.loss_agg_mode says). Its clip ranges are about 1000x narrower than PPO's
+    token clip (the paper: clip_ratio_low 3e-4, clip_ratio_high 4e-4)."""
+    mask = response_mask.to(log_probs.dtype)
+    log_ratio = (log_probs - old_log_probs).clamp(-20, 20)
+    seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp_min(1)     # [B] log s_i
+    log_s = (log_probs - log_probs.detach() + seq_log_ratio.detach()[:, None]).clamp(max=10)
+    ratio = log_s.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
+    pg_losses = torch.maximum(unclipped, clipped)
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((clipped > unclipped).float(), response_mask).item(),
+        "actor/ppo_kl": masked_mean(-log_ratio, response_mask).item(),
+    }
+    return pg_losses, metrics
+
+
+PG_AGG_MODE = {"gspo": "seq-mean-token-mean"}  # policy losses defined with their own aggregation
+
+
 def compute_actor_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                        response_mask: torch.Tensor, cfg: ActorConfig, ref_log_probs: torch.Tensor | None = None,
                        entropy: torch.Tensor | None = None, global_num_tokens: float | None = None,
@@ -110,14 +141,15 @@ def compute_actor_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
     entropy: [B, T] per-token entropy (see entropy_from_logits), needed for the metric and entropy_coeff.
     ref_log_probs: [B, T], needed when cfg.use_kl_loss. Metrics use this micro-batch's own normalisation.
     """
-    def agg(x: torch.Tensor, global_norm: bool = True) -> torch.Tensor:
+    def agg(x: torch.Tensor, global_norm: bool = True, mode: str = cfg.loss_agg_mode) -> torch.Tensor:
         if not global_norm:
-            return agg_loss(x, response_mask, cfg.loss_agg_mode)
-        return agg_loss(x, response_mask, cfg.loss_agg_mode, global_num_tokens, global_num_seqs)
+            return agg_loss(x, response_mask, mode)
+        return agg_loss(x, response_mask, mode, global_num_tokens, global_num_seqs)
 
     pg_losses, metrics = get_policy_loss(cfg.policy_loss)(log_probs, old_log_probs, advantages, response_mask, cfg)
-    loss = agg(pg_losses)
-    metrics["actor/pg_loss"] = agg(pg_losses.detach(), global_norm=False).item()
+    pg_mode = PG_AGG_MODE.get(cfg.policy_loss, cfg.loss_agg_mode)
+    loss = agg(pg_losses, mode=pg_mode)
+    metrics["actor/pg_loss"] = agg(pg_losses.detach(), global_norm=False, mode=pg_mode).item()
     if entropy is not None:
         if cfg.entropy_coeff:
             loss = loss - cfg.entropy_coeff * agg(entropy)

@@ -46,10 +46,11 @@ from tlt.config import Config, ConfigError, format_config, load_config
 from tlt.device import DTYPES, resolve_device
 from tlt.engine.outputs import RequestOutput
 from tlt.rl.actor import Actor
-from tlt.rl.advantages import compute_advantages, groups_to_keep, keep_mask
+from tlt.rl.advantages import compute_advantages, get_adv_estimator, groups_to_keep, keep_mask
 from tlt.rl.checkpoint import (CheckpointManager, TrainerState, capture_rng_state, copy_hf_side_files,
                                load_trainer_state, restore_rng_state)
 from tlt.rl.data import PromptDataset, load_examples
+from tlt.rl.losses import get_policy_loss
 from tlt.rl.logging import MetricsLogger, PhaseTimer, flat_numbers, reduce_metrics, rollout_metrics
 from tlt.rl.rewards import RewardManager
 from tlt.rl.rollout import ActorBatch, RolloutBatch, generate_rollouts, rollout_seed, sampling_params_for
@@ -141,6 +142,11 @@ class GRPOTrainer:
         if d.train_batch_size % self.dist.world_size:
             raise ConfigError(f"data.train_batch_size={d.train_batch_size} must be divisible by the number of "
                               f"data-parallel ranks ({self.dist.world_size})")
+        for get, name in ((get_policy_loss, cfg.actor.policy_loss), (get_adv_estimator, cfg.algorithm.adv_estimator)):
+            try:  # a misspelt name fails here, not at the first update after a rollout
+                get(name)
+            except KeyError as e:
+                raise ConfigError(e.args[0]) from None
         self.prompts_per_rank = d.train_batch_size // self.dist.world_size
         self.num_mini_batches = d.train_batch_size // (cfg.actor.ppo_mini_batch_size or d.train_batch_size)
         self.device = torch.device("cuda", self.dist.local_rank) if device.type == "cuda" else device
