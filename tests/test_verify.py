@@ -15,8 +15,8 @@ import torch
 from scipy import stats
 
 from tlt.engine.sampler import transform_logits
-from tlt.spec.verify import (chain_to_tree, emitted_logprobs, node_depths, tree_attention_mask, uniforms_from,
-                             verify_deterministic, verify_stochastic)
+from tlt.spec.verify import (chain_to_tree, emitted_logprobs, node_depths, tree_attention_mask, tree_layout,
+                             uniforms_from, verify_deterministic, verify_stochastic)
 
 V, K, TRIALS, ALPHA = 6, 3, 40_000, 1e-3
 
@@ -367,5 +367,6 @@ def test_tree_mask_and_depths_equal_a_node_walk_on_random_trees():
         assert torch.equal(tree_attention_mask(parents, valid), want_mask), N
         assert torch.equal(tree_attention_mask(parents), _mask_by_walk(parents, torch.ones_like(valid))[0]), N
         assert torch.equal(node_depths(parents), want_depth), N
+        assert all(map(torch.equal, tree_layout(parents, valid), (want_mask, want_depth))), N
         if N > 2:  # a chain's last node reaches the root: one squaring too few would miss it
             assert node_depths(parents)[0, -1] == N - 1

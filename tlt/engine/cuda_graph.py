@@ -95,8 +95,8 @@ class GraphedForward:
 
     def _buffers(self, Bp: int, T: int, tree: bool) -> _Graph:
         dev = self.kv.device
-        return _Graph(torch.zeros(Bp, T, dtype=torch.long, device=dev), torch.zeros(Bp, T, dtype=torch.long, device=dev),
-                      torch.zeros(Bp, dtype=torch.long, device=dev),
+        return _Graph(torch.zeros(Bp, T, dtype=torch.long, device=dev),
+                      torch.zeros(Bp, T, dtype=torch.long, device=dev), torch.zeros(Bp, dtype=torch.long, device=dev),
                       torch.ones(Bp, T, T, dtype=torch.bool, device=dev).tril() if tree else None)
 
     def _run(self, g: _Graph) -> torch.Tensor:

@@ -125,7 +125,7 @@ class StrategyBandit:
     def select(self, batch_size: int) -> Arm:
         b = self.bucket(batch_size)
         arms = self.arms[b]
-        untried = [a for a in arms if not self.steps[b][a.name]]
+        untried = self._untried(b)
         if untried:
             arm = untried[0]
         elif self.rng.random() < self.epsilon * self.window / (self.window + self.since_forget[b]):
@@ -142,7 +142,10 @@ class StrategyBandit:
     def untried(self) -> list[list[str]]:
         """Per bucket, the arms with no step in their window, in table order: `select` tries them first. An arm
         selected but not recorded (the caller left out a step that captured a CUDA graph) stays untried."""
-        return [[a.name for a in bucket if not self.steps[b][a.name]] for b, bucket in enumerate(self.arms)]
+        return [[a.name for a in self._untried(b)] for b in range(len(self.arms))]
+
+    def _untried(self, b: int) -> list[Arm]:
+        return [a for a in self.arms[b] if not self.steps[b][a.name]]
 
     def update(self, batch_size: int, arm: Arm, tokens: float, seconds: float) -> None:
         """Record one step of `arm` run at `batch_size` (the size it was selected for): tokens emitted, seconds.
@@ -199,7 +202,8 @@ class StrategyBandit:
         arms = self.arms[b]
         top = max(arms, key=lambda a: self.estimate(b, a.name))
         off = next((a for a in arms if a.method == "off"), None)
-        if off is not None and top is not off and self.estimate(b, top.name) < (1 + self.min_gain) * self.estimate(b, off.name):
+        if (off is not None and top is not off
+                and self.estimate(b, top.name) < (1 + self.min_gain) * self.estimate(b, off.name)):
             return off
         return top
 

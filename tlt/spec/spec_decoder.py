@@ -28,8 +28,8 @@ from tlt.spec.config import SpecConfig
 from tlt.spec.drafter import Drafter
 from tlt.spec.ngram import NgramDrafter
 from tlt.spec.tree_draft import draft_chain_sampled, draft_tree
-from tlt.spec.verify import (chain_to_tree, emitted_logprobs, node_depths, tree_attention_mask, uniforms_from,
-                             verify_deterministic, verify_stochastic)
+from tlt.spec.verify import (chain_to_tree, emitted_logprobs, tree_layout, uniforms_from, verify_deterministic,
+                             verify_stochastic)
 
 
 class SpecDecoder:
@@ -152,8 +152,9 @@ class SpecDecoder:
             emitted = len(seqs)
         else:
             done, emitted = self._speculate(seqs, arm, bucket)
-        if self.engine.runner.num_graph_captures == captures:  # a step that captured a CUDA graph (~10-100 plain
-            self.bandit.update(len(seqs), arm, emitted, time.perf_counter() - t0)  # steps, once) says nothing of the arm
+        # a step that captured a CUDA graph (~10-100 plain steps, once) says nothing of the arm
+        if self.engine.runner.num_graph_captures == captures:
+            self.bandit.update(len(seqs), arm, emitted, time.perf_counter() - t0)
         return done
 
     def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str) -> tuple[list[Sequence], int]:
@@ -181,7 +182,8 @@ class SpecDecoder:
             tokens, parents, q = tree.tokens, tree.parents, tree.q
             valid = torch.ones_like(tokens, dtype=torch.bool)
         t1 = time.perf_counter()
-        logits, hidden = self._verify_forward(seqs, tokens, parents, valid, n)
+        # a drafted tree has every node valid: its mask and depths come from one ancestor closure
+        logits, hidden = self._verify_forward(seqs, tokens, parents, valid if arm.method == "ngram" else None, n)
         p = self._target_probs(seqs, logits)
         if q is not None:  # drafts drawn from q: Leviathan/Chen rejection sampling
             result = self.stochastic_verify_fn(p, q, tokens, parents, valid, gens)
@@ -208,9 +210,10 @@ class SpecDecoder:
         for i, (s, st, e) in enumerate(zip(seqs, starts, ends)):
             hid[i, :e - st + 1] = self.hist[s.seq_id][st - 1:e]
         # token ids and positions built on the host, one copy each (padding: id 0 at position 0)
-        ids = torch.tensor([(s.all_ids()[st:e + 1] + [0] * T)[:T] for s, st, e in zip(seqs, starts, ends)], device=dev)
-        pos = torch.tensor([list(range(st, e + 1)) + [0] * (T - (e - st + 1)) for st, e in zip(starts, ends)],
+        pad = [T - (e - st + 1) for st, e in zip(starts, ends)]
+        ids = torch.tensor([s.all_ids()[st:e + 1] + [0] * k for s, st, e, k in zip(seqs, starts, ends, pad)],
                            device=dev)
+        pos = torch.tensor([list(range(st, e + 1)) + [0] * k for st, e, k in zip(starts, ends, pad)], device=dev)
         cached = [st - 1 for st in starts]
         # rows are padded to T, so a row deep into SD writes its padding up to (its cached entries) + T
         self.dcache.ensure_capacity(max(cached) + T)
@@ -226,8 +229,8 @@ class SpecDecoder:
     def _verify_forward(self, seqs, tokens, parents, valid, n):
         kv = self.engine.kv
         kv.ensure_capacity(int(n.max()) + tokens.shape[1] + 1)
-        positions = n[:, None] + node_depths(parents)
-        hidden = self.engine.runner.cached_forward(tokens, positions, n.clone(), tree_attention_mask(parents, valid))
+        mask, depths = tree_layout(parents, valid)
+        hidden = self.engine.runner.cached_forward(tokens, n[:, None] + depths, n.clone(), mask)
         return self.model.logits(hidden), hidden
 
     def _target_probs(self, seqs, logits: torch.Tensor) -> torch.Tensor:

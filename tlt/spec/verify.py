@@ -246,3 +246,10 @@ def tree_attention_mask(parents: torch.Tensor, valid: torch.Tensor | None = None
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
     """[B, N] -> depth [B, N] (root 0): add to the root's position to get each node's position id."""
     return _ancestor_closure(parents, parents >= 0).sum(-1) - 1
+
+
+def tree_layout(parents: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tree_attention_mask, node_depths) of a verify forward, from one closure when every node is valid (None)."""
+    reach = _ancestor_closure(parents, parents >= 0)
+    mask = reach if valid is None else _ancestor_closure(parents, (parents >= 0) & valid)
+    return mask, reach.sum(-1) - 1

@@ -64,7 +64,8 @@ class ReplicaConfig:
         """From a tlt.config.Config (sections model, data, rollout, speculative, drafter_train, trainer)."""
         s, d = cfg.speculative, cfg.drafter_train
         return cls(speculative=s.engine_config(cfg.trainer.seed), **cfg.engine_args(), device=cfg.model.device,
-                   dtype=cfg.rollout_dtype(), train_drafter=d.enabled and s.enabled and s.method == "eagle", drafter_lr=d.lr,
+                   dtype=cfg.rollout_dtype(), train_drafter=d.enabled and s.enabled and s.method == "eagle",
+                   drafter_lr=d.lr,
                    batch_tokens=d.batch_tokens, buffer_max_tokens=d.buffer_max_tokens, window_len=d.window_len,
                    holdout_every=round(1 / d.holdout_fraction) if d.holdout_fraction > 0 else 0)
 
