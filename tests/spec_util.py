@@ -6,7 +6,7 @@ import torch
 import tlt
 from tlt.drafter_train.buffer import DrafterBuffer
 from tlt.drafter_train.trainer import DrafterTrainer
-from tlt.spec.drafter import Drafter
+from tlt.speculative.drafter import Drafter
 
 
 def quick_drafter(model, steps: int = 150, num_prompts: int = 24, max_tokens: int = 48, seed: int = 0) -> Drafter:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tlt.spec.bandit import Arm, StrategyBandit, default_arm_table
+from tlt.speculative.bandit import Arm, StrategyBandit, default_arm_table
 
 
 def test_untried_arms_first_then_best():

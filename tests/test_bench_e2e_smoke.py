@@ -31,8 +31,8 @@ def test_e2e_quick_on_smoke_config(tmp_path, capsys, monkeypatch):
 def test_rollout_quick_all_modes(tmp_path, capsys):
     from tlt.models import load_model
     from tlt.rl.tiny_model import tiny_random_model_path
-    from tlt.spec.drafter import Drafter
-    from tlt.spec.drafter_io import save_drafter
+    from tlt.speculative.drafter import Drafter
+    from tlt.speculative.drafter_io import save_drafter
     model_dir = str(tiny_random_model_path())
     torch.manual_seed(0)
     drafter = save_drafter(Drafter(load_model(model_dir).cfg), tmp_path / "drafter")  # random: accepts little

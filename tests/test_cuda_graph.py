@@ -6,8 +6,8 @@ import torch
 import tlt
 from tests.spec_util import quick_drafter
 from tlt.engine.cuda_graph import GraphedForward
-from tlt.spec.config import SpecConfig
-from tlt.spec.spec_decoder import SpecDecoder
+from tlt.speculative.config import SpecConfig
+from tlt.speculative.spec_decoder import SpecDecoder
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from tlt.models.config import ModelConfig
 from tlt.models.decoder import Decoder
-from tlt.spec.drafter import Drafter
-from tlt.spec.drafter_io import (build_draft_vocab, export_eagle, load_draft_vocab, load_drafter, load_eagle,
+from tlt.speculative.drafter import Drafter
+from tlt.speculative.drafter_io import (build_draft_vocab, export_eagle, load_draft_vocab, load_drafter, load_eagle,
                                  save_draft_vocab, save_drafter)
 
 

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from tlt.drafter_train.buffer import DrafterBuffer
 from tlt.drafter_train.trainer import DrafterTrainer, should_publish
 from tlt.models import load_model
-from tlt.spec.drafter import Drafter
+from tlt.speculative.drafter import Drafter
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from tlt.spec.ngram import NgramDrafter
+from tlt.speculative.ngram import NgramDrafter
 
 
 def test_own_context_match_and_incremental_update():

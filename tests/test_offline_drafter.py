@@ -10,7 +10,7 @@ import torch
 from tests.conftest import make_tiny_checkpoint
 from tlt.drafter_train import offline
 from tlt.models import load_model
-from tlt.spec.drafter_io import load_drafter
+from tlt.speculative.drafter_io import load_drafter
 
 
 @pytest.fixture(scope="module")

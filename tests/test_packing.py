@@ -5,7 +5,7 @@ from tlt.drafter_train.buffer import DrafterBuffer
 from tlt.drafter_train.packing import pack
 from tlt.models.config import ModelConfig
 from tlt.models.decoder import Decoder
-from tlt.spec.drafter import Drafter
+from tlt.speculative.drafter import Drafter
 
 CFG = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16)

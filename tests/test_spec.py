@@ -12,11 +12,11 @@ from tests.spec_util import quick_drafter
 from tests.stats_util import chi_square_pvalue, exact_joint
 from tlt.device import cpu_has_avx512_bf16
 from tlt.models import kernels, load_model
-from tlt.spec.drafter import Drafter
-from tlt.spec.drafter_io import load_drafter, save_drafter
-from tlt.spec.spec_decoder import SpecDecoder
-from tlt.spec.config import SpecConfig
-from tlt.spec.verify import uniforms_from, verify_deterministic, verify_stochastic
+from tlt.speculative.drafter import Drafter
+from tlt.speculative.drafter_io import load_drafter, save_drafter
+from tlt.speculative.spec_decoder import SpecDecoder
+from tlt.speculative.config import SpecConfig
+from tlt.speculative.verify import uniforms_from, verify_deterministic, verify_stochastic
 
 CHAIN = dict(method="eagle", bs_threshold=None, adaptive=False, num_speculative_tokens=4)
 TREE = dict(method="eagle", bs_threshold=None, adaptive=False, num_speculative_tokens=3, draft_topk=3,

@@ -15,7 +15,7 @@ import torch
 from scipy import stats
 
 from tlt.engine.sampler import transform_logits
-from tlt.spec.verify import (chain_to_tree, emitted_logprobs, node_depths, tree_attention_mask, tree_layout,
+from tlt.speculative.verify import (chain_to_tree, emitted_logprobs, node_depths, tree_attention_mask, tree_layout,
                              uniforms_from, verify_deterministic, verify_stochastic)
 
 V, K, TRIALS, ALPHA = 6, 3, 40_000, 1e-3

@@ -137,7 +137,7 @@ def test_replica_config_carries_every_speculative_key():
     """The Ray replicas build their SpecDecoder from the run's config: every speculative key reaches it (the
     fixed-arm and acceptance keys were once dropped, so replicas ran the adaptive default whatever was asked)."""
     from tlt.config import load_config
-    from tlt.spec.config import SpecConfig
+    from tlt.speculative.config import SpecConfig
     run = load_config(None, ["speculative.adaptive=false", "speculative.draft_topk=3",
                              "speculative.num_draft_tokens=7", "speculative.acceptance=rejection",
                              "speculative.device_profile=gpu", "speculative.epsilon=0.2"])

@@ -58,7 +58,7 @@ class LLM:
                                 enforce_eager=enforce_eager)
         self.spec = None
         if speculative_config is not None:
-            from tlt.spec.spec_decoder import SpecDecoder
+            from tlt.speculative.spec_decoder import SpecDecoder
             self.spec = SpecDecoder.from_config(self.engine, speculative_config)
 
     def _to_token_ids(self, prompts) -> list[list[int]]:

@@ -4,7 +4,7 @@ Every RL step, before the drafter trains on it, the step's held-out responses (n
 drafters with one accept-length proxy:
   online  - the drafter the engine drafts with now (published by the previous steps' sessions),
   frozen  - the warm-start drafter the run began with, never updated,
-  ngram   - the model-free drafter (tlt.spec.ngram) over the prompt, the response so far and its group siblings
+  ngram   - the model-free drafter (tlt.speculative.ngram) over the prompt, the response so far and its group siblings
             decoded in lockstep (as in a GRPO rollout, where siblings are at about the same position).
 Proxy (the one DrafterTrainer.evaluate reports): a position "hits" when the drafter's first proposal equals the
 target's top-1 token there, given the true context (teacher forcing); the accept length at a position is 1 +
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tlt.spec.ngram import NgramDrafter
+from tlt.speculative.ngram import NgramDrafter
 
 DEPTH = 8
 

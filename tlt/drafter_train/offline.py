@@ -35,8 +35,8 @@ from tlt.cache import build_atomically, cache_root
 from tlt.config import RolloutConfig
 from tlt.drafter_train.buffer import DrafterBuffer
 from tlt.drafter_train.trainer import DrafterTrainer
-from tlt.spec.drafter import Drafter
-from tlt.spec.drafter_io import build_draft_vocab, save_drafter
+from tlt.speculative.drafter import Drafter
+from tlt.speculative.drafter_io import build_draft_vocab, save_drafter
 
 
 def _opt(default, help: str):

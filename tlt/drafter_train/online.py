@@ -39,8 +39,8 @@ from tlt.drafter_train.trainer import DrafterTrainer, should_publish
 from tlt.engine.outputs import RequestOutput
 from tlt.rl.rollout import RolloutBatch
 from tlt.rl.trainer import DrafterHook
-from tlt.spec.drafter import Drafter
-from tlt.spec.drafter_io import save_drafter
+from tlt.speculative.drafter import Drafter
+from tlt.speculative.drafter_io import save_drafter
 
 HELDOUT_BATCHES = 4  # held-out evaluation uses at most this many packed rows of batch_tokens (newest samples)
 
@@ -195,7 +195,7 @@ class OnlineDrafterHook(DrafterHook):
                                                             self.frozen.drafter.trainable_state_dict().items()}}
 
     def export(self, out_dir: Path) -> None:
-        """The drafter the engine uses, in tlt.spec.drafter_io's layout (`export_eagle` converts it for serving)."""
+        """The drafter the engine uses, in tlt.speculative.drafter_io's layout (`export_eagle` converts it for serving)."""
         save_drafter(self.spec.drafter, out_dir, extra={"version": self.version,
                                                         "drafter_steps": self.trainer.total_steps})
 

@@ -24,7 +24,7 @@ from tlt.drafter_train.buffer import DrafterBuffer
 from tlt.drafter_train.compare import DEPTH, accept_from_hits
 from tlt.drafter_train.packing import PackedBatch
 from tlt.device import cpu_has_fast_bf16
-from tlt.spec.drafter import Drafter
+from tlt.speculative.drafter import Drafter
 
 HIDDEN_WEIGHT, CE_WEIGHT = 1.0, 0.1
 StopFlag = threading.Event | Callable[[], bool] | None

@@ -2,7 +2,7 @@
 
     engine.add_request(prompt_ids, params) ... while engine.has_unfinished(): finished += engine.step()
 
-A speculative decoder (tlt.spec) can take over decode steps. It is exact: at temperature 0 it emits the very tokens
+A speculative decoder (tlt.speculative) can take over decode steps. It is exact: at temperature 0 it emits the very tokens
 plain decoding would; at temperature > 0 every token is an exact draw from the same distribution, and a seeded
 request gets the very tokens plain decoding samples (drafter-invariant verification, where the forwards round
 alike: the fp32 CPU path); logprobs are the target's in all cases. Its tests check all of these.
@@ -48,7 +48,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, max_num_seqs, kv_cache_tokens)
         # on CUDA, decode and verification replay captured graphs unless enforce_eager (vLLM's switch)
         self.runner = ModelRunner(model, self.kv, cuda_graphs=not enforce_eager and self.device.type == "cuda")
-        self.spec = None  # set by tlt.spec.SpecDecoder.install(engine)
+        self.spec = None  # set by tlt.speculative.SpecDecoder.install(engine)
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(seed)

@@ -391,8 +391,8 @@ class GRPOTrainer:
 
     def _fresh_drafter(self) -> str:
         """speculative.model=null with eagle: a freshly initialised drafter for this policy (trained online)."""
-        from tlt.spec.drafter import Drafter
-        from tlt.spec.drafter_io import save_drafter
+        from tlt.speculative.drafter import Drafter
+        from tlt.speculative.drafter_io import save_drafter
         with torch.random.fork_rng():
             torch.manual_seed(self.cfg.trainer.seed)
             drafter = Drafter(self.model.cfg)

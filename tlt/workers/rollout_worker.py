@@ -34,9 +34,9 @@ from tlt.engine.sequence import Sequence as Seq
 from tlt.llm import LLM
 from tlt.models.config import ModelConfig
 from tlt.models.decoder import Decoder
-from tlt.spec.config import SpecConfig
-from tlt.spec.drafter import Drafter
-from tlt.spec.spec_decoder import SpecDecoder
+from tlt.speculative.config import SpecConfig
+from tlt.speculative.drafter import Drafter
+from tlt.speculative.spec_decoder import SpecDecoder
 
 Group = tuple[int, list[int]]  # (group_id, prompt_ids)
 
@@ -134,7 +134,7 @@ class RolloutReplica:
         drafter = None
         if cfg.method == "eagle":
             if spec.get("model"):
-                from tlt.spec.drafter_io import load_drafter
+                from tlt.speculative.drafter_io import load_drafter
                 drafter = load_drafter(spec["model"])
             else:  # seeded: every replica starts from the same weights (one logical drafter, version 0)
                 with torch.random.fork_rng():

@@ -111,7 +111,7 @@ class LocalSpotRollout(SpotRolloutBase):
         return self.replica.drafter_state()
 
     def save_drafter(self, out_dir: str | Path) -> Path:
-        from tlt.spec.drafter_io import save_drafter
+        from tlt.speculative.drafter_io import save_drafter
         return save_drafter(self.replica.train_copy, out_dir, {"drafter_version": self.version})
 
     def run_step(self, groups: Sequence[Group], params, rl_step: int

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 @dataclass
 class SpecConfig:
     method: str = "eagle"                  # "eagle" (learned drafter) | "ngram" (model-free only)
-    model: str | None = None               # drafter directory (tlt.spec.drafter_io layout); required for eagle
+    model: str | None = None               # drafter directory (tlt.speculative.drafter_io layout); required for eagle
     num_speculative_tokens: int = 4        # chain depth of the default eagle arms / n-gram draft length
     bs_threshold: int | None = 32          # SD only while the running batch <= this; None = always on
     hysteresis_steps: int = 4              # ... for this many consecutive decode steps
@@ -55,7 +55,7 @@ class SpecConfig:
         """(bucket upper bounds, arms per bucket) for the bandit; eagle arms only with a drafter."""
         import math
 
-        from tlt.spec.bandit import OFF, Arm, default_arm_table
+        from tlt.speculative.bandit import OFF, Arm, default_arm_table
         if not self.adaptive:
             k = self.num_speculative_tokens
             if self.method == "ngram":

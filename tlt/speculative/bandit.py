@@ -17,7 +17,7 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   end, so whichever arm happened to run at bs 4 looked twice as fast as one that ran at bs 2.
 - "off" is kept unless an SD arm beats it by `min_gain` (a tie costs SD's variance for nothing).
 - An arm is untried until a step of it is recorded, and an SD step is recorded only once its bucket has an "off"
-  step to measure it against. The caller leaves out steps that captured a CUDA graph (tlt.spec.spec_decoder):
+  step to measure it against. The caller leaves out steps that captured a CUDA graph (tlt.speculative.spec_decoder):
   timed with a capture, one plain step on an H100 made every SD arm look 30x faster; left out without these
   rules, "off" had no step at all and the 1 s fallback made them look 100x faster.
 - Exploration skips arms that are confidently dominated (>= `min_samples` steps and below the best by more than

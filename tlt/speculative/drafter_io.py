@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tlt.models.config import ModelConfig
-from tlt.spec.drafter import Drafter
+from tlt.speculative.drafter import Drafter
 
 _SGLANG_ARCH = {"llama": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}  # the EAGLE-1 classes it has
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from tlt.engine.sampler import sample_from
-from tlt.spec.drafter import Drafter
-from tlt.spec.verify import UniformFn
+from tlt.speculative.drafter import Drafter
+from tlt.speculative.verify import UniformFn
 
 
 @dataclass

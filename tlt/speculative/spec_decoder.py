@@ -5,7 +5,7 @@ Per decode step, with the running rows in slots 0..B-1:
   arm    the bandit picks (method, depth, topk, num_draft_tokens) for the batch-size bucket, or "off";
   draft  EAGLE: catch the drafter cache up on the target hidden states kept since its last step (no re-prefill),
          then grow a chain or an EAGLE-2 tree; n-gram: suffix matches over the prompt, siblings and history;
-  verify one target forward over the tree (tree attention mask), exact acceptance (tlt.spec.verify), the
+  verify one target forward over the tree (tree attention mask), exact acceptance (tlt.speculative.verify), the
          accepted nodes' K/V moved into place, the target's logprob of every emitted token.
 Acceptance "invariant" (default): deterministic drafts, the target's own draw accepted when a draft holds it, so a
 seeded request samples the same tokens with SD on or off. "rejection": chain arms draw their drafts from the
@@ -23,12 +23,12 @@ import torch
 from tlt.engine.kv_cache import KVCache
 from tlt.engine.sampler import transform_logits
 from tlt.engine.sequence import Sequence
-from tlt.spec.bandit import Arm, StrategyBandit
-from tlt.spec.config import SpecConfig
-from tlt.spec.drafter import Drafter
-from tlt.spec.ngram import NgramDrafter
-from tlt.spec.tree_draft import draft_chain_sampled, draft_tree
-from tlt.spec.verify import (chain_to_tree, emitted_logprobs, tree_layout, uniforms_from, verify_deterministic,
+from tlt.speculative.bandit import Arm, StrategyBandit
+from tlt.speculative.config import SpecConfig
+from tlt.speculative.drafter import Drafter
+from tlt.speculative.ngram import NgramDrafter
+from tlt.speculative.tree_draft import draft_chain_sampled, draft_tree
+from tlt.speculative.verify import (chain_to_tree, emitted_logprobs, tree_layout, uniforms_from, verify_deterministic,
                              verify_stochastic)
 
 
@@ -59,7 +59,7 @@ class SpecDecoder:
         cfg = SpecConfig.from_dict(config)
         drafter = None
         if cfg.method == "eagle":
-            from tlt.spec.drafter_io import load_drafter
+            from tlt.speculative.drafter_io import load_drafter
             drafter = load_drafter(cfg.model)
         return cls(engine, cfg, drafter)
 
