@@ -26,6 +26,42 @@ needs_small_gemm = pytest.mark.skipif(kernels.small_gemm_lib() is None,
                                       reason="no C compiler or no AVX2: the small-row fp32 kernel cannot be built")
 
 
+@pytest.fixture(autouse=True, params=[1, 2], ids=["1thread", "2threads"])
+def intra_op_threads(request):
+    """Every kernel test runs with one and with two torch threads: the kernels split rows and heads over OpenMP
+    threads, and their results must not depend on the split (the suite otherwise pins one thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_kernels_build_wherever_the_cpu_and_compiler_allow():
+    """A missing source or header (say, not shipped as package data) must fail here, not silently fall back to
+    torch and skip the kernel tests."""
+    import shutil
+    if kernels._cpu_capability() not in ("AVX2", "AVX512") or not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("this machine cannot build the kernels (no AVX2 or no C compiler)")
+    assert kernels.small_gemm_lib() is not None
+
+
+def test_every_kernel_source_ships_as_package_data():
+    """pyproject's package-data globs cover every file the run-time build compiles or includes."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+    root = Path(tlt.__file__).parent
+    pyproject = root.parent / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("not a source checkout")
+    globs = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["tlt"]
+    sources = sorted((root / "models" / "csrc").iterdir())
+    assert {f.name for f in sources} >= {f.name for f in kernels._SRCS}
+    for f in sources:
+        rel = f.relative_to(root).as_posix()
+        assert any(fnmatch.fnmatch(rel, g) for g in globs), f"{rel} is not package data: a wheel would lack it"
+
+
 def _skip_unless_available(path: str, dtype: torch.dtype) -> None:
     if (path == "onednn" and not _can_pack(dtype)) or (path in ("small_gemm", "fused")
                                                         and kernels.small_gemm_lib() is None):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import tlt
+from tests.test_kernels import intra_op_threads  # noqa: F401  (autouse: 1 and 2 threads)
 from tests.test_kernels import _cached_forward, _random_layer, count_fused_calls, fused_and_controls
 from tlt.device import cpu_has_avx512_bf16
 from tlt.models import kernels
