@@ -22,13 +22,16 @@ def transform_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
         kth = scaled.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = scaled.softmax(dim=-1)
-    if bool((top_p < 1).any()):
+    nucleus = top_p < 1
+    if bool(nucleus.any()):
         sorted_p, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_p.cumsum(-1) - sorted_p
         drop_sorted = mass_before > top_p[:, None]  # keep the smallest prefix whose mass reaches top_p
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        kept = probs.masked_fill(drop, 0.0)
+        # only the nucleus rows change: a top_p = 1 row keeps its softmax bit for bit in any batch, so a seeded
+        # request draws the same token whoever shares its batch (plain or speculative step)
+        probs = torch.where(nucleus[:, None], kept / kept.sum(-1, keepdim=True), probs)
     if bool(greedy.any()):
         onehot = torch.zeros_like(probs).scatter_(1, argmax(logits)[:, None], 1.0)
         probs = torch.where(greedy[:, None], onehot, probs)
