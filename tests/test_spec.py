@@ -3,6 +3,8 @@
 hidden states equal a full forward, drafter swaps mid-run."""
 import copy
 
+import re
+
 import pytest
 import torch
 
@@ -210,13 +212,36 @@ def test_drafter_swap_mid_rollout_stays_exact(sharp_llama):
     assert llm.spec.drafter_version == 1
 
 
-def test_spec_config_errors():
-    with pytest.raises(ValueError, match="did you mean bs_threshold"):
+def test_spec_config_errors(tiny_llama_dir):
+    with pytest.raises(ValueError, match="Did you mean 'bs_threshold'"):
         SpecConfig.from_dict({"method": "ngram", "bs_treshold": 4})
     with pytest.raises(ValueError, match="needs model="):
-        SpecConfig.from_dict({"method": "eagle"})
-    with pytest.raises(ValueError, match="method="):
+        tlt.LLM(tiny_llama_dir, speculative_config={"method": "eagle"})
+    with pytest.raises(ValueError, match=re.escape('expected "eagle" | "ngram"')):
         SpecConfig.from_dict({"method": "medusa"})
+    with pytest.raises(ValueError, match="out of range"):
+        SpecConfig.from_dict({"method": "ngram", "epsilon": 1.5})
+    with pytest.raises(ValueError, match="ngram_min_n=5 must be <="):
+        SpecConfig.from_dict({"method": "ngram", "ngram_min_n": 5})
+
+
+@pytest.mark.parametrize("key,value,message", [("method", "medusa", 'expected "eagle" | "ngram"'),
+                                               ("epsilon", 1.5, "out of range"),
+                                               ("bs_threshold", 0, "out of range"),
+                                               ("acceptance", "greedy", 'expected "invariant" | "rejection"')])
+def test_spec_config_is_checked_alike_in_a_run_config_and_in_tlt_llm(key, value, message):
+    """One type, one set of checks: the same bad value fails with the same words as a run-config override and as
+    a tlt.LLM speculative_config."""
+    from tlt.config import load_config
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(None, [f"speculative.{key}={value}"])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SpecConfig.from_dict({"method": "ngram", key: value})
+
+
+def test_disabled_spec_config_means_plain_decoding(tiny_llama_dir):
+    assert tlt.LLM(tiny_llama_dir, speculative_config={"enabled": False, "method": "ngram"}).spec is None
+    assert tlt.LLM(tiny_llama_dir, speculative_config={"method": "ngram"}).spec is not None
 
 
 def test_cache_growth_mid_speculation(sharp_llama):

@@ -9,27 +9,18 @@ README. Validation happens at load: unknown keys, wrong types and out-of-range v
 a message that says what is allowed.
 """
 
-import copy
 import dataclasses
-import difflib
-import types
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal
 
 import yaml
 
+from tlt.schema import ConfigError, close_matches_hint, option, set_option, type_name
+from tlt.speculative.config import SpecConfig
 
-class ConfigError(ValueError):
-    """A config key, type or value is wrong; the message says how to fix it."""
-
-
-def _f(default: Any, description: str, *, ge: float | None = None, gt: float | None = None,
-       le: float | None = None) -> Any:
-    """A dataclass field with a help string and optional numeric bounds (checked at load)."""
-    meta = {"help": description, "ge": ge, "gt": gt, "le": le}
-    if isinstance(default, (list, dict, tuple)):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
-    return field(default=default, metadata=meta)
+_f = option  # every field below: a default, a help string, optional bounds
+__all__ = ["Config", "ConfigError", "SpecConfig", "load_config", "format_config", "save_config", "config_to_dict",
+           "config_reference_markdown"]
 
 
 @dataclass
@@ -122,33 +113,6 @@ class RewardConfig:
 
 
 @dataclass
-class SpeculativeConfig:
-    enabled: bool = _f(True, "speculative decoding in rollouts")
-    method: Literal["eagle", "ngram"] = _f("eagle", "eagle = learned drafter, ngram = model-free drafter")
-    model: str | None = _f(None, "drafter checkpoint; null = a fresh drafter (or none for ngram)")
-    num_speculative_tokens: int = _f(4, "draft depth when not chosen by the bandit", ge=1)
-    bs_threshold: int | None = _f(32, "SD turns on when running batch <= this; null = always on", ge=1)
-    hysteresis_steps: int = _f(4, "consecutive decode steps under the threshold before SD turns on", ge=1)
-    adaptive: bool = _f(True, "bandit over the arm table (per batch-size bucket); false = one fixed arm")
-    draft_topk: int = _f(1, "fixed arm: 1 = chain of num_speculative_tokens, > 1 = EAGLE-2 tree", ge=1)
-    num_draft_tokens: int | None = _f(None, "fixed tree arm: verify budget; null = depth * topk", ge=1)
-    device_profile: Literal["auto", "cpu", "gpu"] = _f("auto", "arm table: cpu (small verify budgets) or gpu (fastrl's)")
-    epsilon: float = _f(0.1, "bandit exploration probability", ge=0, le=1)
-    window: int = _f(300, "bandit sliding window (steps) for median reward", ge=1)
-    acceptance: Literal["invariant", "rejection"] = _f(
-        "invariant", "invariant = the same samples with SD on or off (deterministic drafts); rejection = sampled "
-                     "chain drafts, Leviathan/Chen rejection sampling (same law, higher acceptance near temperature 1)")
-
-    def engine_config(self, seed: int) -> dict[str, Any] | None:
-        """`tlt.LLM(speculative_config=...)`: every key but `enabled`, plus the seed (None when disabled). Derived
-        from the fields, so a new key reaches the in-process engine and the Ray replicas alike."""
-        if not self.enabled:
-            return None
-        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "enabled"},
-                "seed": seed}
-
-
-@dataclass
 class DrafterTrainConfig:
     enabled: bool = _f(True, "train the drafter online on idle rollout workers")
     lr: float = _f(3e-4, "drafter learning rate", ge=0)
@@ -193,7 +157,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    speculative: SpecConfig = field(default_factory=SpecConfig)  # tlt.speculative.config
     drafter_train: DrafterTrainConfig = field(default_factory=DrafterTrainConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -225,79 +189,8 @@ class Config:
 SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
 
 
-# ---------------------------------------------------------------- type checking
-
-
-def _type_name(tp: Any) -> str:
-    origin, args = get_origin(tp), get_args(tp)
-    if origin is Literal:
-        return " | ".join(f'"{a}"' for a in args)
-    if origin in (Union, types.UnionType):
-        return " | ".join("null" if a is type(None) else _type_name(a) for a in args)
-    if origin is list:
-        return f"list[{_type_name(args[0])}]"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any) -> Any:
-    """Return value converted to tp, or raise TypeError/ValueError (message filled in by the caller)."""
-    origin, args = get_origin(tp), get_args(tp)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg)
-            except (TypeError, ValueError):
-                continue
-        raise TypeError
-    if origin is Literal:
-        if value not in args:
-            raise ValueError
-        return value
-    if origin is list:
-        if isinstance(value, (str, int, float)) and get_origin(args[0]) is not list:
-            value = [value]  # `data.train_files=a.parquet` means a one-element list
-        if not isinstance(value, (list, tuple)):
-            raise TypeError
-        return [_coerce(v, args[0]) for v in value]
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise TypeError
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError
-        return value
-    if tp is float:
-        if isinstance(value, str):
-            return float(value)  # YAML 1.1 reads `1e-6` as a string
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError
-        return float(value)
-    if tp is str:
-        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise TypeError
-        return str(value)
-    raise TypeError(f"unsupported config type {tp}")
-
-
-def _check_bounds(key: str, value: Any, meta: Any, source: str) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return
-    bounds = [("ge", ">=", lambda a, b: a >= b), ("gt", ">", lambda a, b: a > b), ("le", "<=", lambda a, b: a <= b)]
-    for name, sym, ok in bounds:
-        limit = meta.get(name)
-        if limit is not None and not ok(value, limit):
-            allowed = " and ".join(f"{s} {meta[n]}" for n, s, _ in bounds if meta.get(n) is not None)
-            raise ConfigError(f"{key}={value!r} ({source}) is out of range: allowed values are {allowed}")
-
-
 def _unknown_key(name: str, valid: list[str], where: str, source: str) -> ConfigError:
-    close = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
-    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    hint = close_matches_hint(name, valid)
     elsewhere = [s for s, cls in SECTIONS.items() if name in {f.name for f in dataclasses.fields(cls)}]
     if elsewhere and where != "top level":
         hint += f" '{name}' exists in section(s): {', '.join(elsewhere)}."
@@ -315,20 +208,9 @@ def _set(cfg: Config, key: str, value: Any, source: str) -> None:
     if len(parts) != 2:
         raise ConfigError(f"config key '{key}' ({source}) must be <section>.<key>, e.g. "
                           f"{section_name}.{next(iter(fields))}; valid keys: {', '.join(fields)}")
-    f = fields.get(parts[1])
-    if f is None:
+    if parts[1] not in fields:
         raise _unknown_key(parts[1], list(fields), f"section '{section_name}'", source)
-    try:
-        coerced = _coerce(value, f.type)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}={value!r} ({source}) has the wrong type or value: "
-                          f"expected {_type_name(f.type)}") from None
-    if isinstance(coerced, list):
-        for item in coerced:
-            _check_bounds(key, item, f.metadata, source)
-    else:
-        _check_bounds(key, coerced, f.metadata, source)
-    setattr(section, f.name, coerced)
+    set_option(section, key, value, source)
 
 
 def _validate(cfg: Config) -> None:
@@ -339,8 +221,7 @@ def _validate(cfg: Config) -> None:
                           f"data.train_batch_size={d.train_batch_size}")
     if len(a.betas) != 2 or not all(0 <= b < 1 for b in a.betas):
         raise ConfigError(f"actor.betas={a.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
-    if s.enabled and s.method == "ngram" and s.model is not None:
-        raise ConfigError("speculative.model is a drafter path, used only with speculative.method=eagle")
+    s.validate(prefix="speculative.")
     fn = cfg.reward.custom_function
     if fn is not None and (":" not in fn or not fn.rsplit(":", 1)[0].endswith(".py")):
         raise ConfigError(f"reward.custom_function={fn!r} must look like 'path/to/file.py:function_name'")
@@ -413,7 +294,7 @@ def config_reference_markdown() -> str:
         for f in dataclasses.fields(cls):
             default = yaml.safe_dump(getattr(defaults, f.name), default_flow_style=True).strip()
             default = default.removesuffix("...").strip()
-            type_name = _type_name(f.type).replace("|", "\\|")
-            lines.append(f"| `{section_name}.{f.name}` | {type_name} | `{default}` | {f.metadata['help']} |")
+            shown_type = type_name(f.type).replace("|", "\\|")
+            lines.append(f"| `{section_name}.{f.name}` | {shown_type} | `{default}` | {f.metadata['help']} |")
         lines.append("")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from tlt.engine.outputs import CompletionOutput, RequestOutput
 from tlt.engine.params import SamplingParams
 from tlt.models.decoder import Decoder
 from tlt.models.loader import load_model, load_tokenizer
+from tlt.speculative.config import SpecConfig
 
 
 def eos_ids_of(model_dir: Path, model: Decoder, tokenizer) -> list[int]:
@@ -36,7 +37,7 @@ def eos_ids_of(model_dir: Path, model: Decoder, tokenizer) -> list[int]:
 class LLM:
     def __init__(self, model: str | Path | Decoder | None = None, tokenizer: Any = None, dtype: str = "auto",
                  device: str = "auto", max_num_seqs: int = 64, max_model_len: int | None = None,
-                 kv_cache_tokens: int | None = None, seed: int = 0, speculative_config: dict | None = None,
+                 kv_cache_tokens: int | None = None, seed: int = 0, speculative_config: dict | SpecConfig | None = None,
                  skip_tokenizer_init: bool = False, enforce_eager: bool = False):
         if model is None:
             from tlt.models.smollm import default_model_path
@@ -59,7 +60,10 @@ class LLM:
         self.spec = None
         if speculative_config is not None:
             from tlt.speculative.spec_decoder import SpecDecoder
-            self.spec = SpecDecoder.from_config(self.engine, speculative_config)
+            cfg = speculative_config if isinstance(speculative_config, SpecConfig) \
+                else SpecConfig.from_dict(speculative_config)
+            if cfg.enabled:
+                self.spec = SpecDecoder.from_config(self.engine, cfg)
 
     def _to_token_ids(self, prompts) -> list[list[int]]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):

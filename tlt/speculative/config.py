@@ -1,60 +1,74 @@
-"""SpecConfig: `tlt.LLM(speculative_config={...})`, with vLLM's key names where the meaning matches."""
-from __future__ import annotations
+"""SpecConfig: the one speculative-decoding config, written as the `speculative` section of a run config
+(`speculative.bs_threshold=16`) or passed to `tlt.LLM(speculative_config={...})`, with vLLM's key names where the
+meaning matches. Both ways go through the same field types, bounds and cross-key checks (tlt.schema).
+"""
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
 
-import difflib
-from dataclasses import dataclass, fields
+from tlt.schema import ConfigError, close_matches_hint, option, set_option
 
 
 @dataclass
 class SpecConfig:
-    method: str = "eagle"                  # "eagle" (learned drafter) | "ngram" (model-free only)
-    model: str | None = None               # drafter directory (tlt.speculative.drafter_io layout); required for eagle
-    num_speculative_tokens: int = 4        # chain depth of the default eagle arms / n-gram draft length
-    bs_threshold: int | None = 32          # SD only while the running batch <= this; None = always on
-    hysteresis_steps: int = 4              # ... for this many consecutive decode steps
-    adaptive: bool = True                  # bandit over the arm table; False = one fixed arm (below)
-    draft_topk: int = 1                    # fixed arm: 1 = chain of num_speculative_tokens, > 1 = EAGLE-2 tree
-    num_draft_tokens: int | None = None    # fixed tree arm: verify budget (default: depth * topk)
-    device_profile: str = "auto"           # arm table: "cpu" (small budgets) | "gpu" (fastrl's) | "auto"
-    epsilon: float = 0.1                   # bandit exploration probability
-    window: int = 300                      # bandit sliding window (median reward)
-    # "invariant": deterministic drafts, the target's own draw accepted when a draft holds it (seeded requests
-    # sample the same tokens with SD on or off); "rejection": chain drafts sampled from the drafter, Leviathan/Chen
-    # rejection sampling (the same law, other samples; accepts more where the target is spread out, temperature ~1)
-    acceptance: str = "invariant"
-    ngram_max_n: int = 4
-    ngram_min_n: int = 2
-    seed: int = 0
+    enabled: bool = option(True, "speculative decoding in rollouts; false = plain decoding (tlt.LLM: as if "
+                                 "speculative_config were None)")
+    method: Literal["eagle", "ngram"] = option(
+        "eagle", "eagle = learned one-layer drafter (plus n-gram arms when adaptive); ngram = model-free drafts only")
+    model: str | None = option(None, "drafter directory (tlt.speculative.drafter_io layout); tlt.LLM needs one for "
+                                     "eagle; in a run, null = the default model's warm-up drafter or a fresh one")
+    num_speculative_tokens: int = option(4, "draft depth of the fixed arm (adaptive=false) and n-gram draft length",
+                                         ge=1)
+    bs_threshold: int | None = option(32, "SD only while the running batch <= this; null = always on", ge=1)
+    hysteresis_steps: int = option(4, "consecutive decode steps under bs_threshold before SD turns on", ge=1)
+    adaptive: bool = option(True, "a bandit picks the arm (method, depth, tree) per batch-size bucket; false = the "
+                                  "one fixed arm below")
+    draft_topk: int = option(1, "fixed arm: 1 = chain of num_speculative_tokens, > 1 = EAGLE-2 tree", ge=1)
+    num_draft_tokens: int | None = option(None, "fixed tree arm: verify budget; null = depth * topk", ge=1)
+    device_profile: Literal["auto", "cpu", "gpu"] = option(
+        "auto", "arm table: cpu (small verify budgets) or gpu (larger trees); auto = by the engine's device")
+    epsilon: float = option(0.1, "bandit exploration probability", ge=0, le=1)
+    window: int = option(300, "bandit sliding window (steps) for each arm's median tokens/s", ge=1)
+    acceptance: Literal["invariant", "rejection"] = option(
+        "invariant", "invariant = deterministic drafts, the target's own draw accepted when a draft holds it (a "
+                     "seeded request samples the same tokens with SD on or off); rejection = chain drafts sampled "
+                     "from the drafter, Leviathan/Chen rejection sampling (the same law, other samples; accepts "
+                     "more where the target is spread out, temperature ~1); docs/design.md §6")
+    ngram_max_n: int = option(4, "n-gram drafter: longest suffix matched", ge=1)
+    ngram_min_n: int = option(2, "n-gram drafter: shortest suffix matched", ge=1)
+    seed: int = option(0, "seed of the bandit's exploration and of a fresh drafter (a run sets trainer.seed)")
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SpecConfig":
-        names = [f.name for f in fields(cls)]
-        for k in d:
+    def from_dict(cls, d: dict[str, Any]) -> "SpecConfig":
+        """From `tlt.LLM(speculative_config=...)`: unknown keys, types, ranges and cross-key rules checked as for
+        the run config's `speculative` section."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        cfg = cls()
+        for k, v in d.items():
             if k not in names:
-                near = difflib.get_close_matches(k, names, n=3)
-                raise ValueError(f"unknown speculative_config key {k!r}"
-                                 + (f" (did you mean {', '.join(near)}?)" if near else "")
-                                 + f"; valid keys: {', '.join(names)}")
-        cfg = cls(**d)
-        if cfg.method not in ("eagle", "ngram"):
-            raise ValueError(f"speculative_config method={cfg.method!r}: use 'eagle' or 'ngram'")
-        if cfg.method == "eagle" and not cfg.model:
-            raise ValueError("speculative_config method='eagle' needs model=<drafter dir> "
-                             "(build one with `tlt train-drafter`), or use method='ngram'")
-        if cfg.bs_threshold is not None and cfg.bs_threshold < 1:
-            raise ValueError(f"speculative_config bs_threshold={cfg.bs_threshold}: use an integer >= 1 or None")
-        if cfg.acceptance not in ("invariant", "rejection"):
-            raise ValueError(f"speculative_config acceptance={cfg.acceptance!r}: use 'invariant' or 'rejection'")
-        if not 0 <= cfg.epsilon <= 1:
-            raise ValueError(f"speculative_config epsilon={cfg.epsilon}: use a value in [0, 1]")
-        if cfg.num_speculative_tokens < 1:
-            raise ValueError("speculative_config num_speculative_tokens must be >= 1")
+                raise ConfigError(f"unknown speculative_config key {k!r}.{close_matches_hint(k, names)} "
+                                  f"Valid keys: {', '.join(names)}")
+            set_option(cfg, f"speculative_config.{k}", v, "speculative_config")
+        cfg.validate(prefix="speculative_config.")
         return cfg
+
+    def validate(self, prefix: str = "") -> None:
+        """Checks that involve several keys."""
+        if self.method == "ngram" and self.model is not None:
+            raise ConfigError(f"{prefix}model is a drafter path, used only with {prefix}method=eagle")
+        if self.ngram_min_n > self.ngram_max_n:
+            raise ConfigError(f"{prefix}ngram_min_n={self.ngram_min_n} must be <= {prefix}ngram_max_n="
+                              f"{self.ngram_max_n}")
+
+    def engine_config(self, seed: int) -> dict[str, Any] | None:
+        """`tlt.LLM(speculative_config=...)` for a run: every key, with the run's seed (None when disabled)."""
+        if not self.enabled:
+            return None
+        return {**dataclasses.asdict(self), "seed": seed}
 
     def arm_table(self, has_drafter: bool, device_type: str):
         """(bucket upper bounds, arms per bucket) for the bandit; eagle arms only with a drafter."""
-        import math
-
         from tlt.speculative.bandit import OFF, Arm, default_arm_table
         if not self.adaptive:
             k = self.num_speculative_tokens

@@ -24,6 +24,7 @@ from tlt.engine.kv_cache import KVCache
 from tlt.engine.sampler import transform_logits
 from tlt.engine.sequence import Sequence
 from tlt.speculative.bandit import Arm, StrategyBandit
+from tlt.schema import ConfigError
 from tlt.speculative.config import SpecConfig
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.ngram import NgramDrafter
@@ -56,9 +57,12 @@ class SpecDecoder:
 
     @classmethod
     def from_config(cls, engine, config: dict) -> "SpecDecoder":
-        cfg = SpecConfig.from_dict(config)
+        cfg = config if isinstance(config, SpecConfig) else SpecConfig.from_dict(config)
         drafter = None
         if cfg.method == "eagle":
+            if not cfg.model:
+                raise ConfigError("speculative_config method='eagle' needs model=<drafter dir> (build one with "
+                                  "`tlt train-drafter`), or use method='ngram'")
             from tlt.speculative.drafter_io import load_drafter
             drafter = load_drafter(cfg.model)
         return cls(engine, cfg, drafter)

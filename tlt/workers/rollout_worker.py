@@ -130,7 +130,7 @@ class RolloutReplica:
         self._stats_step: int | None = None
 
     def _build_spec(self, spec: dict) -> SpecDecoder:
-        cfg = SpecConfig.from_dict({**spec, "model": spec.get("model") or "<fresh>"})
+        cfg = SpecConfig.from_dict(spec)
         drafter = None
         if cfg.method == "eagle":
             if spec.get("model"):
