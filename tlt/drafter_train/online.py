@@ -34,11 +34,10 @@ import torch
 from tlt.config import DrafterTrainConfig
 from tlt.drafter_train import compare
 from tlt.drafter_train.buffer import DrafterBuffer, DrafterSample
+from tlt.drafter_train.hook import DrafterHook
 from tlt.drafter_train.packing import PackedBatch, pack
 from tlt.drafter_train.trainer import DrafterTrainer, should_publish
 from tlt.engine.outputs import RequestOutput
-from tlt.rl.rollout import RolloutBatch
-from tlt.rl.trainer import DrafterHook
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.drafter_io import save_drafter
 
@@ -89,7 +88,7 @@ class OnlineDrafterHook(DrafterHook):
             thread.start()
             self._pending = (thread, result)
 
-    def after_rollout(self, step: int, rollout: RolloutBatch, outputs: list[RequestOutput]) -> dict[str, float]:
+    def after_rollout(self, step: int, rollout: Any, outputs: list[RequestOutput]) -> dict[str, float]:
         metrics = {"drafter/steps": 0.0, "drafter/train_time_s": 0.0, "drafter/published": 0.0}
         if self._pending is not None:  # the spot session that ran alongside this rollout: publish it now
             thread, result = self._pending

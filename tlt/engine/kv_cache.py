@@ -49,5 +49,12 @@ class KVCache:
         for t in self.k + self.v:
             t[dst, :, :length] = t[src, :, :length]
 
+    def move_positions(self, rows: list[int], src: list[int], dst: list[int]) -> None:
+        """Within each listed row, copy the K/V at position src[i] to dst[i] (SD's accepted nodes into place)."""
+        dev = self.k[0].device
+        r, s_, d_ = (torch.tensor(x, device=dev) for x in (rows, src, dst))
+        for t in self.k + self.v:
+            t[r, :, d_] = t[r, :, s_]
+
     def view(self, cache_lens: torch.Tensor, slot_start: int = 0, tree_mask: torch.Tensor | None = None) -> CacheView:
         return CacheView(self.k, self.v, cache_lens, slot_start, tree_mask)

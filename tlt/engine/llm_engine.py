@@ -48,7 +48,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, max_num_seqs, kv_cache_tokens)
         # on CUDA, decode and verification replay captured graphs unless enforce_eager (vLLM's switch)
         self.runner = ModelRunner(model, self.kv, cuda_graphs=not enforce_eager and self.device.type == "cuda")
-        self.spec = None  # set by tlt.speculative.SpecDecoder.install(engine)
+        self.spec = None  # a speculator (tlt.speculative.SpecDecoder), set by attach_speculator
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(seed)
@@ -80,6 +80,55 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- the decode-step interface a speculator drives ------------------------------------------------------
+    # A speculator (tlt.speculative.SpecDecoder) takes over decode steps through these methods only: it is told of
+    # requests, prefills, plain steps and finished sequences (on_add, on_prefill, on_plain_decode, on_tokens,
+    # on_finish), decides per step whether it runs it (wants_step, step), and runs a step with the calls below.
+    def attach_speculator(self, spec, slot_caches: tuple[KVCache, ...] = ()) -> None:
+        """Let `spec` take over decode steps; `slot_caches` (the drafter's KV cache) are slot-indexed like the
+        target's and move with their rows when the scheduler compacts the batch."""
+        self.spec = spec
+        for cache in slot_caches:
+            self.scheduler.add_slot_cache(cache)
+
+    @property
+    def num_slots(self) -> int:
+        """Rows of the KV cache: the most sequences that can run at once."""
+        return self.kv.num_slots
+
+    @property
+    def num_graph_captures(self) -> int:
+        """CUDA graphs captured so far: a step that captured one costs many plain steps, once."""
+        return self.runner.num_graph_captures
+
+    def decode_forward(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A plain decode forward of the running rows -> (logits [B, V] fp32, hidden [B, H]); sample with
+        sample_and_append."""
+        return self.runner.decode(seqs)
+
+    def tree_forward(self, seqs: list[Sequence], tokens: torch.Tensor, depths: torch.Tensor,
+                     mask: torch.Tensor | None) -> torch.Tensor:
+        """The target's forward over T candidate tokens per row placed after each row's cache (SD verification):
+        tokens, depths [B, T] (position = num_cached + depth), mask [B, T, T] among them (None = causal) ->
+        hidden [B, T, H]. Their K/V land at num_cached + node index; commit_kv moves the accepted ones."""
+        lens = [s.num_cached for s in seqs]
+        self.kv.ensure_capacity(max(lens) + tokens.shape[1] + 1)
+        n = torch.tensor(lens, device=tokens.device)
+        return self.runner.cached_forward(tokens, n[:, None] + depths, n, mask)
+
+    def commit_kv(self, seqs: list[Sequence], paths: list[list[int]]) -> None:
+        """After tree_forward: move each row's accepted nodes (path, node indices from the root) to consecutive
+        positions after its cache and count them as cached."""
+        rows, src, dst = [], [], []
+        for i, (s, path) in enumerate(zip(seqs, paths)):
+            for j, node in enumerate(path):
+                if node != j:
+                    rows.append(i); src.append(s.num_cached + node); dst.append(s.num_cached + j)
+        if rows:
+            self.kv.move_positions(rows, src, dst)
+        for s, path in zip(seqs, paths):
+            s.num_cached += len(path)
+
     # ---- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()  # caches grown mid-step must be inference tensors everywhere they are touched
     def step(self) -> list[Sequence]:
@@ -90,7 +139,7 @@ class LLMEngine:
             logits, last, hidden = self.runner.prefill(admitted)
             if self.spec is not None:
                 self.spec.on_prefill(admitted, hidden)
-            done = self._append_sampled(admitted, logits, last)
+            done = self.sample_and_append(admitted, logits, last)
             self.stats.num_prefill_steps += 1
             self.stats.prefill_time_s += time.perf_counter() - t0
         else:
@@ -102,7 +151,7 @@ class LLMEngine:
                 logits, hidden = self.runner.decode(seqs)
                 if self.spec is not None:
                     self.spec.on_plain_decode(seqs, hidden)
-                done = self._append_sampled(seqs, logits, hidden)
+                done = self.sample_and_append(seqs, logits, hidden)
             self.stats.num_decode_steps += 1
             dt = time.perf_counter() - t0
             self.stats.decode_time_s += dt
@@ -113,8 +162,9 @@ class LLMEngine:
             self.spec.on_finish(done)
         return done
 
-    def _append_sampled(self, seqs: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor) -> list[Sequence]:
-        """Sample one token per row from logits [B, V]; hidden [B, H] produced them."""
+    def sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor) -> list[Sequence]:
+        """Sample one token per row from logits [B, V] (hidden [B, H] produced them), append it with its stop
+        rules; returns the sequences that finished."""
         if all(s.params.temperature == 0 for s in seqs):
             ids, lps = greedy(logits)
         else:

@@ -21,7 +21,11 @@ class Scheduler:
         self.max_cache_tokens = max_cache_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.extra_caches: list[KVCache] = []  # slot-indexed caches that move with their rows (drafter's)
+        self.slot_caches: list[KVCache] = []  # slot-indexed caches that move with their rows (drafter's)
+
+    def add_slot_cache(self, cache: KVCache) -> None:
+        """Another slot-indexed cache whose rows move with the target's when the batch is compacted."""
+        self.slot_caches.append(cache)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -48,7 +52,7 @@ class Scheduler:
             self.running.append(seq)
         if admitted:
             self.kv.ensure_capacity(longest, len(self.running))
-            for cache in self.extra_caches:  # slot-indexed like the target's (their lengths grow on their own)
+            for cache in self.slot_caches:  # slot-indexed like the target's (their lengths grow on their own)
                 cache.ensure_capacity(0, len(self.running))
         return admitted
 
@@ -63,7 +67,7 @@ class Scheduler:
         holes = sorted({s.slot for s in done if s.slot < n})
         movers = [s for s in self.running if s.slot >= n]
         for hole, seq in zip(holes, movers):
-            for cache in [self.kv, *self.extra_caches]:
+            for cache in [self.kv, *self.slot_caches]:
                 cache.move(seq.slot, hole, min(seq.num_cached + 1, cache.capacity))
             seq.slot = hole
         for seq in done:

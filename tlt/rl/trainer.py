@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from tlt.config import Config, ConfigError, format_config, load_config
 from tlt.device import DTYPES, resolve_device
+from tlt.drafter_train.hook import DrafterHook
 from tlt.engine.outputs import RequestOutput
 from tlt.rl.actor import Actor
 from tlt.rl.advantages import compute_advantages, get_adv_estimator, groups_to_keep, keep_mask
@@ -62,34 +63,6 @@ MAX_GEN_BATCHES = 4  # DAPO dynamic sampling: rollout rounds per step before tra
 TINY_RANDOM = "tiny-random"
 DEFAULT_TRAIN_SIZE, DEFAULT_VAL_SIZE = 2048, 64  # default task files when tlt.tasks has no default_datasets()
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"  # `tlt train` with no CONFIG
-
-
-class DrafterHook:
-    """Online drafter training plugs in here (tlt.drafter_train); this default does nothing.
-
-    before_rollout(step) runs at the start of each step, before its rollout (a hook may start work that overlaps
-    it). after_rollout(step, rollout, outputs) runs once per step after the policy update: `rollout` holds the
-    responses trained on, `outputs` every engine output of the step (groups dropped by dynamic sampling too),
-    with target hidden states ([R, H] bf16 per response) when wants_hidden_states is True. It returns metrics to
-    log. state_dict() is saved with each checkpoint and load_state_dict() restores it on resume; export(dir) writes
-    the drafter in use into each checkpoint (global_step_N/drafter/), the deployable by-product.
-    """
-    wants_hidden_states = False
-
-    def before_rollout(self, step: int) -> None:
-        return None
-
-    def after_rollout(self, step: int, rollout: RolloutBatch, outputs: list[RequestOutput]) -> dict[str, float]:
-        return {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        return None
-
-    def export(self, out_dir: Path) -> None:
-        return None
 
 
 @dataclass

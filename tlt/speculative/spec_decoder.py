@@ -44,16 +44,14 @@ class SpecDecoder:
         self.ngram = NgramDrafter(max_n=cfg.ngram_max_n, min_n=cfg.ngram_min_n)
         bounds, arms = cfg.arm_table(has_drafter=drafter is not None, device_type=engine.device.type)
         self.bandit = StrategyBandit(bounds, arms, epsilon=cfg.epsilon, window=cfg.window, seed=cfg.seed)
-        self.dcache = KVCache(self.model.cfg, engine.kv.num_slots, engine.dtype, engine.device, num_layers=1) \
+        self.dcache = KVCache(self.model.cfg, engine.num_slots, engine.dtype, engine.device, num_layers=1) \
             if drafter else None
-        if self.dcache is not None:
-            engine.scheduler.extra_caches.append(self.dcache)
         self.hist: dict[int, torch.Tensor] = {}   # seq_id -> [max_total_len, H] target hidden h_t per position
         self.dcached: dict[int, int] = {}         # seq_id -> committed drafter-cache entries (positions 1..n)
         self.low_steps = 0
         self.drafter_version = 0
         self.reset_stats()
-        engine.spec = self
+        engine.attach_speculator(self, slot_caches=(self.dcache,) if self.dcache is not None else ())
 
     @classmethod
     def from_config(cls, engine, config: dict) -> "SpecDecoder":
@@ -143,21 +141,21 @@ class SpecDecoder:
     # ---- one speculative step -------------------------------------------------------------------------------
     def step(self, seqs: list[Sequence]) -> list[Sequence]:
         t0 = time.perf_counter()
-        captures = self.engine.runner.num_graph_captures
+        captures = self.engine.num_graph_captures
         arm = self.bandit.select(len(seqs))
         bucket = self.bandit.bucket_name(self.bandit.bucket(len(seqs)))
         self.st["arm_counts"][f"{bucket}:{arm.name}"] += 1
         self.st["gate_steps"] += 1
         self.st["spec_on_steps"] += arm.method != "off"
         if arm.method == "off":
-            logits, hidden = self.engine.runner.decode(seqs)
+            logits, hidden = self.engine.decode_forward(seqs)
             self.on_plain_decode(seqs, hidden)
-            done = self.engine._append_sampled(seqs, logits, hidden)
+            done = self.engine.sample_and_append(seqs, logits, hidden)
             emitted = len(seqs)
         else:
             done, emitted = self._speculate(seqs, arm, bucket)
         # a step that captured a CUDA graph (~10-100 plain steps, once) says nothing of the arm
-        if self.engine.runner.num_graph_captures == captures:
+        if self.engine.num_graph_captures == captures:
             self.bandit.update(len(seqs), arm, emitted, time.perf_counter() - t0)
         return done
 
@@ -187,14 +185,14 @@ class SpecDecoder:
             valid = torch.ones_like(tokens, dtype=torch.bool)
         t1 = time.perf_counter()
         # a drafted tree has every node valid: its mask and depths come from one ancestor closure
-        logits, hidden = self._verify_forward(seqs, tokens, parents, valid if arm.method == "ngram" else None, n)
+        logits, hidden = self._verify_forward(seqs, tokens, parents, valid if arm.method == "ngram" else None)
         p = self._target_probs(seqs, logits)
         if q is not None:  # drafts drawn from q: Leviathan/Chen rejection sampling
             result = self.stochastic_verify_fn(p, q, tokens, parents, valid, gens)
         else:
             result = self.verify_fn(p, tokens, parents, valid, gens)
         lps = emitted_logprobs(logits, temp, result)
-        self._commit(seqs, result.paths, hidden, n)
+        self._commit(seqs, result.paths, hidden)
         kept = [hidden[i, path] for i, path in enumerate(result.paths)]
         done = eng.append_tokens(seqs, result.emitted_ids, lps, kept)
         self._record(bucket, result, seqs, arm)
@@ -230,11 +228,9 @@ class SpecDecoder:
         return out[torch.arange(len(seqs), device=dev), last]
 
     @torch.inference_mode()
-    def _verify_forward(self, seqs, tokens, parents, valid, n):
-        kv = self.engine.kv
-        kv.ensure_capacity(int(n.max()) + tokens.shape[1] + 1)
+    def _verify_forward(self, seqs, tokens, parents, valid):
         mask, depths = tree_layout(parents, valid)
-        hidden = self.engine.runner.cached_forward(tokens, n[:, None] + depths, n.clone(), mask)
+        hidden = self.engine.tree_forward(seqs, tokens, depths, mask)
         return self.model.logits(hidden), hidden
 
     def _target_probs(self, seqs, logits: torch.Tensor) -> torch.Tensor:
@@ -245,22 +241,12 @@ class SpecDecoder:
                              rep([s.params.top_k for s in seqs]), rep([s.params.top_p for s in seqs]))
         return p.view(B, N, V)
 
-    def _commit(self, seqs, paths, hidden, n) -> None:
-        """Move accepted nodes' K/V to consecutive positions after the root; keep their hidden states."""
-        kv = self.engine.kv
-        rows, src, dst = [], [], []
-        for i, (s, path) in enumerate(zip(seqs, paths)):  # s.num_cached == n[i], read on the host
-            for j, node in enumerate(path):
-                if node != j:
-                    rows.append(i); src.append(s.num_cached + node); dst.append(s.num_cached + j)
-        if rows:
-            r, s_, d_ = (torch.tensor(x, device=n.device) for x in (rows, src, dst))
-            for t in kv.k + kv.v:
-                t[r, :, d_] = t[r, :, s_]
-        for i, (s, path) in enumerate(zip(seqs, paths)):
-            if self.drafter is not None:
+    def _commit(self, seqs, paths, hidden) -> None:
+        """Keep the accepted nodes' hidden states (drafter data), then move their K/V into place."""
+        if self.drafter is not None:
+            for i, (s, path) in enumerate(zip(seqs, paths)):
                 self.hist[s.seq_id][s.num_cached:s.num_cached + len(path)] = hidden[i, path]
-            s.num_cached += len(path)
+        self.engine.commit_kv(seqs, paths)
 
     def _record(self, bucket, result, seqs, arm: Arm) -> None:
         st = self.st
