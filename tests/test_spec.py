@@ -150,9 +150,9 @@ def tiny_vocab_model(tmp_path_factory):
 
 @pytest.mark.parametrize("temp,top_k,top_p,spec", [
     (1.0, -1, 1.0, TREE),
-    pytest.param(0.9, 4, 1.0, CHAIN, marks=pytest.mark.slow),
-    pytest.param(1.0, -1, 0.8, TREE, marks=pytest.mark.slow),
-    pytest.param(1.0, -1, 1.0, NGRAM, marks=pytest.mark.slow),
+    (0.9, 4, 1.0, CHAIN),
+    (1.0, -1, 0.8, TREE),
+    (1.0, -1, 1.0, NGRAM),
     (1.0, -1, 1.0, REJECTION)], ids=["tree", "chain-topk", "tree-topp", "ngram", "rejection"])
 def test_sampled_law_under_sd_matches_target(tiny_vocab_model, temp, top_k, top_p, spec):
     model, drafter_dir = tiny_vocab_model
