@@ -27,6 +27,7 @@ from math_verify import parse, verify
 
 from tlt.config import RewardConfig
 from tlt.rl.data import PromptExample
+from tlt.tasks import SCORERS as TASK_SCORERS
 
 # We disable math-verify's signal-based timeouts (they break outside the main thread) and bound every scorer with
 # our own thread timeout instead; its one-time warning about that would only confuse users.
@@ -84,7 +85,6 @@ def register_reward(name: str) -> Callable[[Callable[..., Any]], Callable[..., A
 
 def get_reward_fn(data_source: str) -> RewardFn:
     """Exact name, else the longest matching "prefix*" registration, else "default"."""
-    import tlt.tasks.default_task  # noqa: F401  registers the embedded task's scorer ("tlt/*")
     if data_source in _REGISTRY:
         return _REGISTRY[data_source]
     prefixes = [k for k in _REGISTRY if k.endswith("*") and data_source.startswith(k[:-1])]
@@ -172,6 +172,10 @@ def math_score(data_source: str, solution_str: str, ground_truth: str | list[str
         if gold and verify(gold, pred, timeout_seconds=None):
             return 1.0
     return 0.0
+
+
+for _pattern, _fn in TASK_SCORERS.items():  # the built-in tasks' own scorers, e.g. "tlt/*"
+    register_reward(_pattern)(_fn)
 
 
 # ---------------------------------------------------------------- manager
