@@ -294,3 +294,19 @@ def test_script_without_main_guard_gets_a_clear_error(tmp_path):
                           env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert proc.returncode != 0
     assert "RewardError" in proc.stderr and "if __name__ == '__main__':" in proc.stderr
+
+
+def score_in_this_process(conn) -> None:
+    manager = RewardManager(RewardConfig(num_workers=2))
+    conn.send((manager.pool is None, manager.score([ex("test_pid")], ["x"]).extra[0]["pid"], os.getpid()))
+
+
+def test_daemonic_process_scores_in_process():
+    """A daemonic process may not start children: the manager scores in-process (with a warning), not fail."""
+    ctx = multiprocessing.get_context("forkserver")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=score_in_this_process, args=(child,), daemon=True)
+    process.start()
+    in_process, scorer_pid, pid = parent.recv()
+    process.join()
+    assert in_process and scorer_pid == pid and process.exitcode == 0

@@ -265,7 +265,7 @@ class RewardPool:
         if self.workers[slot] is None:
             ctx = _context(self.preload)
             parent_conn, child_conn = ctx.Pipe()
-            process = ctx.Process(target=_worker_main, args=(child_conn,), daemon=True, name=f"tlt-reward-{slot}")
+            process = ctx.Process(target=_worker_main, args=(child_conn,), name=f"tlt-reward-{slot}", daemon=True)
             process.start()
             child_conn.close()  # the worker holds the only other end: its death reads as EOF here
             self.workers[slot] = _Worker(process, parent_conn)

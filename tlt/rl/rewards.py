@@ -19,6 +19,7 @@ math-verify's own timeouts use signal.alarm (main thread only), so they are disa
 import importlib.util
 import inspect
 import logging
+import multiprocessing
 import os
 import threading
 from collections import defaultdict
@@ -222,6 +223,11 @@ class RewardManager:
         self.total_errors = 0  # over the manager's lifetime
         # started at the first score(): a manager that never scores costs no processes
         self.pool = RewardPool(self.cfg.num_workers, WORKER_PRELOAD) if self.cfg.num_workers else None
+        if self.pool is not None and multiprocessing.current_process().daemon:
+            logger.warning("reward.num_workers=%d, but this is a daemonic process, which may not start any: rewards "
+                           "are scored in this process, where a hung scorer cannot be killed (start this process "
+                           "with daemon=False to isolate them)", self.cfg.num_workers)
+            self.pool = None
         self._submitter: ThreadPoolExecutor | None = None
 
     def _fn_for(self, data_source: str) -> RewardFn:
