@@ -310,3 +310,32 @@ def test_daemonic_process_scores_in_process():
     in_process, scorer_pid, pid = parent.recv()
     process.join()
     assert in_process and scorer_pid == pid and process.exitcode == 0
+
+
+def test_a_killed_trainer_leaves_no_worker_behind(tmp_path):
+    """SIGKILL of the trainer (no close(), no atexit) while a worker is stuck in a scorer: the worker exits too."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys, time\nfrom tlt.config import RewardConfig\nfrom tlt.rl.data import PromptExample\n"
+        "from tlt.rl.rewards import RewardManager, register_reward\n"
+        "def hang(data_source, solution_str, ground_truth, extra_info=None):\n    time.sleep(600)\n"
+        "if __name__ == '__main__':\n"
+        "    register_reward('hang')(hang)\n"
+        "    manager = RewardManager(RewardConfig(num_workers=1, timeout_s=600))\n"
+        "    manager.submit([PromptExample(0, 'hang', [], '3', {})], ['x'])\n"
+        "    while not manager.pool.pids():\n        time.sleep(0.05)\n"
+        "    time.sleep(1)  # the worker is inside hang()\n"
+        "    print(manager.pool.pids()[0], flush=True)\n    os.kill(os.getpid(), 9)\n")
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=err, text=True,
+                                env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        worker = int(proc.stdout.readline() or 0)
+        assert proc.wait(timeout=300) == -9 and worker, (tmp_path / "stderr.txt").read_text()
+    try:
+        deadline = time.monotonic() + 30
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(worker)
+    finally:
+        if alive(worker):
+            os.kill(worker, 9)

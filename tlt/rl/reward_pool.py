@@ -114,8 +114,19 @@ def run_call(call: ScoreCall) -> Outcome:
         return Outcome(error_kind="non_number", error=f"NonNumberError: {e}")
 
 
-def _worker_main(conn: Connection) -> None:
+def _exit_with_trainer(lifeline: Connection) -> None:
+    """A worker's watchdog thread: nothing is ever sent on the lifeline, so its read returns only when the trainer,
+    which holds the only write end, has died (even by SIGKILL); then the worker exits, even in the middle of a call."""
+    try:
+        lifeline.recv_bytes()
+    except EOFError:
+        pass
+    os._exit(1)
+
+
+def _worker_main(conn: Connection, lifeline: Connection) -> None:
     """Worker loop: receive a pickled call, say it is running, reply with its Outcome; exit when the pipe closes."""
+    threading.Thread(target=_exit_with_trainer, args=(lifeline,), daemon=True, name="tlt-reward-lifeline").start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the pool
     while True:
         try:
@@ -192,6 +203,9 @@ class RewardPool:
         self.preload = preload  # modules the forkserver imports once, so that workers start warm
         self.workers: list[_Worker | None] = [None] * num_workers
         self._lock = threading.Lock()  # one run() at a time: a slot's pipe carries one call
+        # Workers are the forkserver's children, and it outlives a killed trainer while they live, so they watch
+        # the trainer themselves: its death closes the lifeline's write end (only the trainer holds it).
+        self._lifeline: tuple[Connection, Connection] | None = None
         self._close = weakref.finalize(self, _close_workers, self.workers)
 
     def pids(self) -> list[int]:
@@ -264,8 +278,11 @@ class RewardPool:
         """The slot's worker, started if it has none."""
         if self.workers[slot] is None:
             ctx = _context(self.preload)
+            if self._lifeline is None:
+                self._lifeline = ctx.Pipe(duplex=False)  # (read end for the workers, write end kept here)
             parent_conn, child_conn = ctx.Pipe()
-            process = ctx.Process(target=_worker_main, args=(child_conn,), name=f"tlt-reward-{slot}", daemon=True)
+            process = ctx.Process(target=_worker_main, args=(child_conn, self._lifeline[0]), name=f"tlt-reward-{slot}",
+                                  daemon=True)
             process.start()
             child_conn.close()  # the worker holds the only other end: its death reads as EOF here
             self.workers[slot] = _Worker(process, parent_conn)
