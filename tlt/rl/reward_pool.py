@@ -8,10 +8,11 @@ it and checks what it returned; its Outcome is a score per item or an error of o
     non_number  it returned NaN/inf, a string, a dict without a numeric 'score', or a list of the wrong length
 
 RewardPool runs calls on `num_workers` processes, each fed one call at a time through its own pipe. Workers come
-from a forkserver (forking the trainer after torch has started threads is unsafe, and spawn would import torch
-again in every worker) that preloads the reward modules once, so a worker starts in milliseconds. They start at
-the first call, are reused across steps, and a killed or dead worker's slot gets a fresh one at its next call.
-close() (also run when the pool is garbage-collected or the interpreter exits) stops them all.
+from a forkserver: forking the trainer itself (running torch threads, maybe CUDA) is unsafe, and spawn would
+import torch again in every worker; the forkserver is a fresh process that only imports the reward modules, once,
+so a worker forks from it in milliseconds. Workers start at the first call, are reused across steps, and a
+killed or dead worker's slot gets a fresh one at its next call. close() (also run when the pool is
+garbage-collected or the interpreter exits) stops them all; a worker also exits by itself when the trainer dies.
 """
 
 import functools
