@@ -339,3 +339,20 @@ def test_a_killed_trainer_leaves_no_worker_behind(tmp_path):
     finally:
         if alive(worker):
             os.kill(worker, 9)
+
+
+def test_imports_are_not_the_calls_time(tmp_path):
+    """A custom file's slow module-level imports run before the call's timeout starts; so does reasoning-gym, which
+    the default task's scorer needs (preloaded by the workers' forkserver)."""
+    from tlt.tasks.default_task import make_examples
+    path = tmp_path / "slow_import.py"
+    path.write_text("import time\ntime.sleep(3)  # a heavy import\n"
+                    "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    with RewardManager(RewardConfig(custom_function=f"{path}:score", timeout_s=1.0, num_workers=1)) as manager:
+        assert manager.score([ex()], ["x"]).scores == [1.0]
+    row = next(make_examples("train", 1, 0))
+    task_ex = PromptExample(0, row["data_source"], row["prompt"], row["reward_model"]["ground_truth"],
+                            row["extra_info"])
+    with RewardManager(RewardConfig(timeout_s=0.25, num_workers=1)) as manager:  # its import: > 0.5 s
+        result = manager.score([task_ex, task_ex], [f"Answer: {task_ex.ground_truth}", "Answer: -1"])
+        assert result.scores == [1.0, 0.0] and result.num_errors == 0

@@ -99,10 +99,10 @@ def to_score(value: Any) -> tuple[float | None, dict[str, Any]]:
 
 
 def run_call(call: ScoreCall) -> Outcome:
-    """Call the function and check its return value (in a worker, or in the trainer's process with num_workers=0)."""
+    """Call the function and check its return value (in a worker, or in the trainer's process with num_workers=0).
+    A worker has loaded a FileFunction into the function itself before."""
     try:
-        fn = call.fn.load() if isinstance(call.fn, FileFunction) else call.fn
-        value = fn(*call.args, **call.kwargs)
+        value = call.fn(*call.args, **call.kwargs)
     except Exception as e:  # the scorer's failure is the sample's error, not the trainer's
         return Outcome(error_kind="exception", error=f"{type(e).__name__}: {e}")
     try:
@@ -134,8 +134,10 @@ def _worker_main(conn: Connection, lifeline: Connection) -> None:
             data = conn.recv_bytes()
         except EOFError:
             return
-        try:
+        try:  # imports (the function's module, a custom file) are not the call's time: done before "running"
             call = pickle.loads(data)
+            if isinstance(call.fn, FileFunction):
+                call.fn = call.fn.load()
         except Exception as e:  # the function's module cannot be imported here
             conn.send(("load_error", f"{type(e).__name__}: {e}"))
             continue

@@ -45,7 +45,9 @@ Shape = Literal["verl", "trl"]
 MAX_LOGGED_ERRORS = 3  # per score() call; all errors are still counted
 ERROR_METRICS: dict[ErrorKind, str] = {"timeout": "reward/num_timeouts", "crash": "reward/num_crashes",
                                        "exception": "reward/num_exceptions", "non_number": "reward/num_non_numbers"}
-WORKER_PRELOAD = ("tlt.rl.rewards",)  # imported once by the workers' forkserver: math-verify, the task scorers
+# Imported once by the workers' forkserver: math-verify and the task scorers, and reasoning-gym, which the default
+# task's scorer imports at its first call; a worker importing it (~2 s) would spend its call's timeout on that.
+WORKER_PRELOAD = ("tlt.rl.rewards", "reasoning_gym")
 
 __all__ = ["RewardError", "RewardTimeout", "RewardFn", "RewardManager", "RewardResult", "detect_shape",
            "register_reward", "get_reward_fn", "load_custom_function", "math_score", "boxed_format_score",
