@@ -255,6 +255,8 @@ class RewardManager:
         self.close()
 
     def score(self, examples: Sequence[PromptExample], responses: Sequence[str]) -> RewardResult:
+        """One score per response: one call per response for verl-shaped functions, one per data_source for
+        TRL-shaped ones, all on the workers; a failed call scores 0 for each of its responses and is counted."""
         if len(examples) != len(responses):
             raise ValueError(f"{len(examples)} examples but {len(responses)} responses")
         by_source: dict[str, list[int]] = defaultdict(list)
