@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -178,3 +181,12 @@ def test_default_task_rows_are_scored_by_the_task_scorer():
     truth = row["reward_model"]["ground_truth"]
     assert fn.fn(row["data_source"], f"work...\nAnswer: {truth}", truth, row["extra_info"]) == 1.0
     assert get_reward_fn("openai/gsm8k").name == "default"
+
+
+def test_tasks_do_not_import_the_reward_machinery():
+    """One-way dependency: tlt.rl.rewards registers the tasks' scorers (tlt.tasks.SCORERS); tasks never import it."""
+    code = ("import sys, tlt.tasks, tlt.tasks.datagen\n"
+            "assert 'tlt.rl.rewards' not in sys.modules, 'a task module imports tlt.rl.rewards'\n"
+            "import tlt.rl.rewards\n"
+            "assert tlt.rl.rewards.get_reward_fn('tlt/chain_sum').fn is tlt.tasks.default_task.score\n")
+    subprocess.run([sys.executable, "-c", code], check=True, env=os.environ | {"PYTHONPATH": str(ROOT)})

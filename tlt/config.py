@@ -107,7 +107,10 @@ class AlgorithmConfig:
 @dataclass
 class RewardConfig:
     format_weight: float = _f(0.0, "weight of the answer-format reward added to the task reward")
-    timeout_s: float = _f(5.0, "per-call timeout of a reward function; a timeout scores 0", gt=0)
+    timeout_s: float = _f(5.0, "hard timeout of a reward function per response (its worker process is killed); a "
+                               "timeout scores 0", gt=0)
+    num_workers: int = _f(4, "reward worker processes (started at the first step, reused); 0 = score in the "
+                             "trainer's process, where a hung scorer cannot be killed and a crash ends the run", ge=0)
     custom_function: str | None = _f(None, "path/to/file.py:function used for every data_source")
     errors_fatal: bool = _f(False, "raise on a reward-function error instead of scoring 0")
 

@@ -188,6 +188,7 @@ class GRPOTrainer:
             self.logger.log(step, metrics)
             self.logger.log_lengths(step, sum(gather(rollout.response_lengths, self.dist), []))
         self.logger.close()
+        self.rewards.close()  # stops the reward worker processes
         if self.rollout_engine is not self.llm:
             self.rollout_engine.close()
         return {"steps": t.total_steps, "start_step": self.start_step, "wall_s": round(time.perf_counter() - start, 2),

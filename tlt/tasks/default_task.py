@@ -10,6 +10,7 @@ Row schema (verl's):
      reward_model: {style: "rule", ground_truth: <answer str>},
      extra_info: {split, index, generator, difficulty, question, metadata: <entry metadata as JSON>}}
 The metadata is stored as a JSON string because its keys differ between generators (parquet needs one schema).
+`score` is the rows' reward function; tlt.tasks.SCORERS names it for their data_source ("tlt/*").
 """
 from __future__ import annotations
 
@@ -20,8 +21,6 @@ import zlib
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Iterator
-
-from tlt.rl.rewards import register_reward
 
 
 @dataclass(frozen=True)
@@ -152,7 +151,6 @@ def _scorer(generator: str) -> Callable[[str | None, dict], float]:
     return reasoning_gym.get_score_answer_fn(generator)
 
 
-@register_reward("tlt/*")
 def score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
     """verl compute_score: reward in [0, 1] of one response, by the generator's reasoning-gym scorer."""
     generator = (extra_info or {}).get("generator") or data_source.removeprefix("tlt/")
