@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from tlt.bench import e2e, rollout
@@ -44,9 +45,11 @@ def test_rollout_quick_all_modes(tmp_path, capsys):
     # the fp32 path this machine's kernels serve, else a rounding-sized boundary could part a response)
     with torch.no_grad():
         bitwise = kernels.matmul_path(torch.ones(2, 8), torch.ones(8, 8)) == "small_gemm"
-    if bitwise:  # the _rej modes sample SD off's law, not its very samples
-        assert all(v["same_as_off"] == 1.0 for m, v in result["modes"].items() if not m.endswith("_rej")), \
-            result["modes"]
+    if not bitwise:  # a visible skip, and only where the kernels cannot be built (test_kernels checks that)
+        pytest.skip("no fp32 small-row kernel on this CPU: verify forwards need not round as plain ones")
+    # the _rej modes sample SD off's law, not its very samples
+    assert all(v["same_as_off"] == 1.0 for m, v in result["modes"].items() if not m.endswith("_rej")), \
+        result["modes"]
 
 
 def test_e2e_modes_differ_only_in_the_speculative_section():
