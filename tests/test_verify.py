@@ -186,9 +186,10 @@ def test_mixed_tree_shapes_in_one_batch():
 
 
 def _buggy_walk(target, tree, rnd, bug):
-    """The design doc's children-first rule (accept the first child with u < S, else draw the residual), scalar, with
-    one deliberate bug (negative controls); bug="none" is the exact rule, a reference that must pass. Exact in law,
-    it is not drafter-invariant (the same u gives other tokens than plain sampling), so tlt verifies otherwise."""
+    """A children-first rule for deterministic trees (accept the first child with u < S, else draw the residual),
+    scalar, with one deliberate bug (negative controls); bug="none" is the exact rule, a reference that must pass.
+    Exact in law, it is not drafter-invariant (the same u gives other tokens than plain sampling), so tlt verifies
+    otherwise."""
     tokens, parents, prefixes = tree
     kids = {n: [m for m in range(len(tokens)) if parents[m] == n] for n in range(len(tokens))}
     probs = target.probs.tolist()

@@ -44,7 +44,7 @@ MODES = ("off", "always", "adaptive", "adaptive_rej", "frozen", "ngram")  # adap
 DEFAULT_MODES = ("off", "always", "adaptive")  # each mode is a whole trainer process: ~5 GB for the default model
 # off: no SD; always: one fixed EAGLE chain at every batch size; adaptive: gate + bandit, drafter trained online;
 # frozen: adaptive with the warm-started drafter never trained; ngram: adaptive with model-free drafts only.
-STEP_SPEEDUP_GOAL = 1.7  # the paper's end-to-end headline (design doc section 9)
+STEP_SPEEDUP_GOAL = 1.7  # the paper's end-to-end headline (docs/design.md §11)
 QUICK_OVERRIDES = ["data.train_batch_size=2", "rollout.n=4", "data.max_response_length=16"]
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 

@@ -1,4 +1,4 @@
-"""Drafter training data: the target's hidden states kept from rollout (design doc sections 3-4).
+"""Drafter training data: the target's hidden states kept from rollout (docs/design.md §3-§4).
 
 The rollout engine already computed h_t (last-layer, post-norm: the tensor entering the LM head) for every
 position it decoded; we keep them in bf16 on the host instead of running another forward pass.

@@ -1,4 +1,4 @@
-"""Spot-training coordinator: train the drafter on rollout replicas the long tail leaves idle (design doc section 5).
+"""Spot-training coordinator: train the drafter on rollout replicas the long tail leaves idle (docs/design.md §5).
 
 An event-driven state machine, pure Python (Ray actors in tlt/workers drive it and carry out its actions). Each
 event method returns the actions the caller must perform; time comes from an injectable clock, so tests drive it

@@ -17,9 +17,10 @@ class DrafterHook:
     before_rollout(step) runs at the start of each step, before its rollout (a hook may start work that overlaps
     it). after_rollout(step, rollout, outputs) runs once per step after the policy update: `rollout` holds the
     responses trained on (tlt.rl.rollout.RolloutBatch), `outputs` every engine output of the step (groups dropped
-    by dynamic sampling too), with target hidden states ([R, H] bf16 per response) when wants_hidden_states is True. It returns metrics to
-    log. state_dict() is saved with each checkpoint and load_state_dict() restores it on resume; export(dir) writes
-    the drafter in use into each checkpoint (global_step_N/drafter/), the deployable by-product.
+    by dynamic sampling too), with target hidden states ([R, H] bf16 per response) when wants_hidden_states is
+    True. It returns metrics to log. state_dict() is saved with each checkpoint and load_state_dict() restores it
+    on resume; export(dir) writes the drafter in use into each checkpoint (global_step_N/drafter/), the deployable
+    by-product.
     """
     wants_hidden_states = False
 

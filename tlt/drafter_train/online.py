@@ -1,6 +1,6 @@
 """Online drafter training inside the single-process RL loop (no Ray): the trainer's DrafterHook.
 
-Every RL step the rollout's target hidden states (kept by the engine, design doc section 3) go into the
+Every RL step the rollout's target hidden states (kept by the engine, docs/design.md §3) go into the
 step-tagged DrafterBuffer. Every `drafter_train.every_k_steps` steps, once the buffer holds
 `min_buffer_tokens`, one training session runs after the policy update, on a training copy of the engine's
 drafter: evaluate the published weights on a held-out slice, take a bounded number of drafter steps, evaluate
@@ -194,7 +194,8 @@ class OnlineDrafterHook(DrafterHook):
                                                             self.frozen.drafter.trainable_state_dict().items()}}
 
     def export(self, out_dir: Path) -> None:
-        """The drafter the engine uses, in tlt.speculative.drafter_io's layout (`export_eagle` converts it for serving)."""
+        """The drafter the engine uses, in tlt.speculative.drafter_io's layout (`export_eagle` converts it for
+        serving)."""
         save_drafter(self.spec.drafter, out_dir, extra={"version": self.version,
                                                         "drafter_steps": self.trainer.total_steps})
 

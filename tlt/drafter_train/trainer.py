@@ -1,4 +1,4 @@
-"""Online drafter trainer: the step loop a spot session runs on an idle rollout replica (design doc sections 2, 5).
+"""Online drafter trainer: the step loop a spot session runs on an idle rollout replica (docs/design.md §2, §5).
 
 loss = 1.0 * SmoothL1(pred h_{t+1}, target h_{t+1}) + 0.1 * soft-CE(softmax(lm_head(h_{t+1})), drafter logits),
 both averaged over loss-mask (response) tokens. Only the drafter's fc and layer train; the target's embedding

@@ -2,8 +2,9 @@
 
     engine.add_request(prompt_ids, params) ... while engine.has_unfinished(): finished += engine.step()
 
-A speculative decoder (tlt.speculative) can take over decode steps. It is exact: at temperature 0 it emits the very tokens
-plain decoding would; at temperature > 0 every token is an exact draw from the same distribution, and a seeded
+A speculative decoder (tlt.speculative) can take over decode steps through the engine's decode-step interface
+(attach_speculator and the methods below it). It is exact: at temperature 0 it emits the very tokens plain decoding
+would; at temperature > 0 every token is an exact draw from the same distribution, and a seeded
 request gets the very tokens plain decoding samples (drafter-invariant verification, where the forwards round
 alike: the fp32 CPU path); logprobs are the target's in all cases. Its tests check all of these.
 """
@@ -67,7 +68,8 @@ class LLMEngine:
         group_id = request_id if group_id is None else group_id
         seqs = []
         for i in range(params.n):
-            seed = params.seed + i if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
+            seed = params.seed + i if params.seed is not None \
+                else int(torch.randint(2**62, (1,), generator=self._seed_rng))
             seq = Sequence(seq_id=next(self._ids), request_id=request_id, sample_index=i, group_id=group_id,
                            prompt_ids=list(prompt_ids), params=params,
                            generator=torch.Generator().manual_seed(seed), max_model_len=self.max_model_len)

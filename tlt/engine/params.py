@@ -14,7 +14,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # besides the tokenizer's EOS
     ignore_eos: bool = False
     seed: int | None = None                 # per-request seed: output independent of batch composition
-    logprobs: int | None = None             # accepted for vLLM compatibility; the sampled token's logprob is always returned
+    logprobs: int | None = None             # vLLM compatibility; the sampled token's logprob is always returned
     return_hidden_states: bool = False      # keep the last-layer hidden state that produced each output token
 
     def __post_init__(self):

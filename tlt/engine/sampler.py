@@ -3,7 +3,8 @@
 Order as in vLLM/HF: temperature, then top-k, then top-p. Rows with temperature 0 become a one-hot at the
 argmax, so greedy decoding and greedy verification are the same rule as sampling (u never exceeds 1).
 Sampling is by inverse CDF from a uniform draw per row, so a request's seeded generator alone decides its
-tokens, whatever else is in the batch, and whether speculative decoding is on (tlt.speculative.verify draws the same way).
+tokens, whatever else is in the batch, and whether speculative decoding is on (tlt.speculative.verify draws the
+same way; docs/design.md §7).
 """
 from __future__ import annotations
 

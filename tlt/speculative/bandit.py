@@ -1,4 +1,4 @@
-"""BEG-MAB: a bucketed epsilon-greedy bandit that picks the drafting strategy per decode step (design doc 6).
+"""BEG-MAB: a bucketed epsilon-greedy bandit that picks the drafting strategy per decode step (docs/design.md §6).
 
 Arms are grouped by running-batch-size bucket (buckets given by inclusive upper bounds, e.g. [1, 4, 20, inf]).
 Every bucket holds an "off" arm (plain decoding) so the policy can learn that SD does not pay at large batch.

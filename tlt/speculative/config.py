@@ -34,7 +34,7 @@ class SpecConfig:
         "invariant", "invariant = deterministic drafts, the target's own draw accepted when a draft holds it (a "
                      "seeded request samples the same tokens with SD on or off); rejection = chain drafts sampled "
                      "from the drafter, Leviathan/Chen rejection sampling (the same law, other samples; accepts "
-                     "more where the target is spread out, temperature ~1); docs/design.md §6")
+                     "more where the target is spread out, temperature ~1); docs/design.md §7")
     ngram_max_n: int = option(4, "n-gram drafter: longest suffix matched", ge=1)
     ngram_min_n: int = option(2, "n-gram drafter: shortest suffix matched", ge=1)
     seed: int = option(0, "seed of the bandit's exploration and of a fresh drafter (a run sets trainer.seed)")

@@ -1,4 +1,4 @@
-"""EAGLE-style one-layer drafter (design doc section 2).
+"""EAGLE-style one-layer drafter (docs/design.md §2).
 
 Input at position t: concat(embed(x_{t+1}), h_t) -> fc (2H -> H) -> one decoder layer (no input norm, no final
 norm) -> predicted h_{t+1}; the target's LM head turns it into logits for x_{t+2}. Embedding and LM head are the

@@ -122,8 +122,8 @@ class NgramDrafter:
     def propose_tree(self, seq_id: Hashable, k: int | None = None, width: int = 2,
                      depth: int | None = None) -> tuple[list[int], list[int]]:
         """A small draft tree: up to `width` distinct continuations (each cut to `depth`, default k // width) merged
-        into a trie of at most k draft nodes. Returns (tokens, parents) in the layout of tlt.speculative.verify: node 0 is
-        the root (the sequence's last token, parent -1), children in pool priority order."""
+        into a trie of at most k draft nodes. Returns (tokens, parents) in the layout of tlt.speculative.verify:
+        node 0 is the root (the sequence's last token, parent -1), children in pool priority order."""
         k = self.num_draft_tokens if k is None else k
         depth = max(1, k // width) if depth is None else depth
         seq = self._get(seq_id)

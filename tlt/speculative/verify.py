@@ -1,4 +1,4 @@
-"""Exact (lossless) verification of a batch of draft trees (design doc section 7).
+"""Exact (lossless) verification of a batch of draft trees (docs/design.md §7).
 
 Letters: p = TARGET probability (transform_logits of the target's logits: the very distribution plain sampling
 draws from), q = DRAFT probability (the distribution a stochastic draft token was actually drawn from).

@@ -1,7 +1,7 @@
 """RolloutReplica: one rollout worker (engine + drafter buffer + drafter trainer), plain Python, no Ray.
 
 A replica generates the prompt groups it is given with its own tlt.LLM (adaptive speculative decoding), keeps the
-target hidden states of every response in its DrafterBuffer (design doc section 3), and, when the driver's
+target hidden states of every response in its DrafterBuffer (docs/design.md §3), and, when the driver's
 SpotCoordinator says it is idle, trains its copy of the drafter on that buffer (section 5). Drivers:
 tlt.workers.spot.LocalSpotRollout (one in-process replica) and tlt.workers.ray_rollout.SpotRollout (Ray actors
 wrapping this class; every method here is callable from another thread while `generate_groups` or
