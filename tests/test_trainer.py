@@ -232,15 +232,17 @@ def test_dynamic_sampling_drops_flat_groups_and_skips_an_empty_update(tmp_path, 
 
 
 def test_bad_config_key_fails_fast(capsys):
-    assert main(["trainer.totl_steps=3"]) == 2
+    from tlt.cli import main as tlt_main
+    assert tlt_main(["train", "trainer.totl_steps=3"]) == 2
     err = capsys.readouterr().err
     assert "unknown config key 'totl_steps'" in err and "total_steps" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_on_a_cpu_machine_is_a_config_error(capsys, monkeypatch):
+    from tlt.cli import main as tlt_main
     monkeypatch.chdir(REPO)
-    assert main(["configs/smoke.yaml", "model.device=cuda"]) == 2
+    assert tlt_main(["train", "configs/smoke.yaml", "model.device=cuda"]) == 2
     assert "model.device" in capsys.readouterr().err
 
 

@@ -5,11 +5,17 @@
     tlt data [--out DIR] ...                  write reasoning-gym datasets in verl's schema
     tlt train-drafter [key=value ...]         offline drafter warm-up: sample with the target, train the drafter
     tlt bench decode|spec|e2e [...]           benchmarks (a table, then one JSON line)
+
+A mistake in what you gave (config key or value, data row, model or drafter directory, reward function, output
+directory) is one message naming it and saying what to do, with exit code 2; add --debug (anywhere) or set
+TLT_DEBUG=1 to see the traceback as well.
 """
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import traceback
 
 COMMANDS = {
     "train": ("tlt.rl.trainer", "main"),
@@ -22,6 +28,8 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("TLT_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help"):
         if not argv:  # `tlt` alone is `tlt train` with the defaults: the out-of-the-box main job
             argv = ["train"]
@@ -36,7 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tlt: unknown command {cmd!r}{hint}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module, fn = COMMANDS[cmd]
-    return int(getattr(importlib.import_module(module), fn)(rest) or 0)
+    from tlt.schema import UserError
+    try:
+        return int(getattr(importlib.import_module(module), fn)(rest) or 0)
+    except UserError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"tlt {cmd}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -12,7 +12,12 @@ from dataclasses import field
 from typing import Any, Literal, Union, get_args, get_origin
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """A mistake in what the user gave (config, data, model, reward function, paths): the message names it and says
+    what to do. The command line prints it without a traceback and exits with code 2 (`--debug` shows one)."""
+
+
+class ConfigError(UserError, ValueError):
     """A config key, type or value is wrong; the message says how to fix it."""
 
 

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal
 
 from tlt.config import DataConfig
+from tlt.schema import UserError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DATA_SOURCE = "default"
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A data file is missing or one of its rows is malformed; the message names the file and row."""
 
 

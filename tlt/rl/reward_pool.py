@@ -31,13 +31,15 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Literal
 
+from tlt.schema import UserError
+
 ErrorKind = Literal["timeout", "crash", "exception", "non_number"]
 # Budget for a worker to start and unpickle a call (which imports the function's module) before the call's own
 # timeout starts: imports are not the scorer's time, but an import that hangs must not hang the trainer.
 LOAD_TIMEOUT_S = 120.0
 
 
-class RewardError(RuntimeError):
+class RewardError(UserError, RuntimeError):
     """A reward function failed and reward.errors_fatal is set, or it cannot be called at all."""
 
 

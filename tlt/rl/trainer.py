@@ -46,6 +46,7 @@ from tlt.config import Config, ConfigError, format_config, load_config
 from tlt.device import DTYPES, resolve_device
 from tlt.drafter_train.hook import DrafterHook
 from tlt.engine.outputs import RequestOutput
+from tlt.preflight import check_run
 from tlt.rl.actor import Actor
 from tlt.rl.advantages import compute_advantages, get_adv_estimator, groups_to_keep, keep_mask
 from tlt.rl.checkpoint import (CheckpointManager, TrainerState, capture_rng_state, copy_hf_side_files,
@@ -108,6 +109,7 @@ class GRPOTrainer:
         from tlt.llm import LLM
         from tlt.models.loader import load_model, load_tokenizer
 
+        check_run(cfg)  # every input checked before any expensive work (tlt.preflight)
         device = config_device(cfg)
         self.cfg, self.dist = cfg, init_distributed(device.type)
         prepare_config(cfg, self.dist)
@@ -477,16 +479,11 @@ def main(argv: list[str] | None = None) -> int:
     config_path = argv[0] if argv and "=" not in argv[0] else None
     overrides = argv[1:] if config_path else argv
     config_path = config_path or str(DEFAULT_CONFIG)  # no CONFIG: the out-of-the-box recipe
-    try:
-        cfg = load_config(config_path, overrides)
-        info = init_distributed(config_device(cfg).type)
-        prepare_config(cfg, info)
-        if info.is_main:
-            print(format_config(cfg), flush=True)
-        trainer = GRPOTrainer(cfg)
-    except ConfigError as e:
-        print(f"tlt train: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(config_path, overrides)
+    trainer = GRPOTrainer(cfg)
+    info = trainer.dist
+    if info.is_main:
+        print(format_config(cfg), flush=True)
     summary = trainer.fit()
     if info.is_main:
         from tlt.rl.run_summary import finish_run
@@ -497,4 +494,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tlt.cli import main as cli_main  # user errors as one message and exit code 2
+    sys.exit(cli_main(["train", *sys.argv[1:]]))
