@@ -63,8 +63,8 @@ def test_logits_match_transformers_and_greedy_stops(model_dir):
             plain = ours.logits(ours(ids))
     torch.testing.assert_close(plain, ref, atol=1e-4, rtol=0)  # the model code: torch's own matmuls, as transformers
     # the inference path's fp32 matmuls (tlt's small-row kernel on AVX2/AVX-512 CPUs) sum in another order
-    # than MKL's: over 30 layers a few logits (of magnitude ~20) move by ~1e-5 relative
-    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
+    # than MKL's: over 30 layers a few logits move by up to ~1.5e-4 (measured on a Xeon with AVX-512)
+    torch.testing.assert_close(got, ref, atol=3e-4, rtol=1e-5)
     with torch.no_grad():
         out = hf.generate(ids, max_new_tokens=40, do_sample=False)
     hf_reply = out[0, ids.shape[1]:].tolist()
