@@ -27,7 +27,7 @@ assert not missing, f"kernel sources missing from the installed package: {missin
 capable = kernels._cpu_capability() in ("AVX2", "AVX512") and (shutil.which("cc") or shutil.which("gcc"))
 if capable:
     assert kernels.small_gemm_lib() is not None, "the installed package could not build its C kernels"
-    with torch.inference_mode():
+    with torch.no_grad():  # an ordinary (not inference-mode) weight, as a model's
         path = kernels.matmul_path(torch.ones(2, 8), torch.ones(8, 8))
     assert path == "small_gemm", f"fp32 small-row matmuls take {path}, not tlt's kernel"
 print(f"check_install: tlt {tlt.__version__ if hasattr(tlt, '__version__') else ''} installed in {where}; "
