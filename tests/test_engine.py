@@ -207,3 +207,36 @@ def test_bad_input_errors(tiny_llama_dir, tmp_path):
         tlt.LLM(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="dtype"):
         tlt.LLM(tiny_llama_dir, dtype="int3")
+
+
+def test_a_bad_request_queues_nothing(tiny_llama_dir):
+    """One bad request in a batch fails the call before any request is queued: the next call returns only its own
+    outputs (before, the good requests ahead of the bad one stayed queued and leaked into it)."""
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_model_len=32, enforce_eager=True)
+    good = _prompts(3, seed=2)
+    with pytest.raises(ValueError, match="request 2: prompt has 40 tokens"):
+        llm.generate([*good[:2], [1] * 40, good[2]], tlt.SamplingParams(temperature=0, max_tokens=4))
+    assert not llm.engine.has_unfinished()
+    outs = llm.generate(good, tlt.SamplingParams(temperature=0, max_tokens=4))
+    assert [o.prompt_token_ids for o in outs] == good and len({o.request_id for o in outs}) == 3
+    with pytest.raises(ValueError, match="request 1: prompt token id out of range"):
+        llm.generate([good[0], [10**6]], tlt.SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "bs_threshold": None}], ids=["plain", "ngram-sd"])
+def test_a_kv_budget_far_below_the_batch_finishes_every_request_alike(tiny_llama_dir, speculative):
+    """A long-tail batch (max_tokens 4..60) under a KV budget that holds about two worst-case sequences: requests
+    wait for room instead of running out of memory, all finish, and each samples what it samples unconstrained
+    (seeded), with or without speculative decoding."""
+    prompts = _prompts(12, seed=7)
+    params = [tlt.SamplingParams(temperature=1.0, max_tokens=4 + 56 * (i % 4 == 0), seed=100 + i, ignore_eos=True)
+              for i in range(12)]
+    free = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=16, enforce_eager=True, speculative_config=speculative)
+    tight = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=16, kv_cache_tokens=150, enforce_eager=True,
+                    speculative_config=speculative)
+    ref = [o.outputs[0].token_ids for o in free.generate(prompts, params)]
+    got = tight.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == ref
+    assert all(len(o.outputs[0].token_ids) == p.max_tokens for o, p in zip(got, params))
+    assert tight.engine.kv.slots < free.engine.kv.slots  # the budget did bind: fewer rows ran at once

@@ -88,7 +88,14 @@ class LLM:
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(token_ids)
         if len(params) != len(token_ids):
             raise ValueError(f"got {len(params)} SamplingParams for {len(token_ids)} prompts")
+        if group_ids is not None and len(group_ids) != len(token_ids):
+            raise ValueError(f"got {len(group_ids)} group_ids for {len(token_ids)} prompts")
         engine = self.engine
+        for i, (ids, p) in enumerate(zip(token_ids, params)):  # all checked before any is queued
+            try:
+                engine.check_request(ids, p)
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
         requests = []
         for i, (ids, p) in enumerate(zip(token_ids, params)):
             requests.append(engine.add_request(ids, p, None if group_ids is None else group_ids[i]))

@@ -55,7 +55,8 @@ class LLMEngine:
         self._seed_rng = torch.Generator().manual_seed(seed)
 
     # ---- requests -------------------------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, group_id: int | None = None) -> list[Sequence]:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request cannot run; queues nothing (tlt.LLM checks a whole batch first)."""
         if not prompt_ids:
             raise ValueError("empty prompt: give at least one token")
         if len(prompt_ids) >= self.max_model_len:
@@ -64,6 +65,11 @@ class LLMEngine:
                              f"{self.model.cfg.max_position_embeddings} positions)")
         if max(prompt_ids) >= self.model.cfg.vocab_size or min(prompt_ids) < 0:
             raise ValueError(f"prompt token id out of range [0, {self.model.cfg.vocab_size})")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be tlt.SamplingParams, got {type(params).__name__}")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, group_id: int | None = None) -> list[Sequence]:
+        self.check_request(prompt_ids, params)
         request_id = next(self._ids)
         group_id = request_id if group_id is None else group_id
         seqs = []
