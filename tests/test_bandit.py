@@ -236,3 +236,14 @@ def test_arms_compared_at_their_own_batch_size():
     assert bandit.estimate(0, "off") == pytest.approx(1.0)
     assert bandit.estimate(0, "ngram4") == pytest.approx(1.1 / 1.3)
     assert bandit.best(3) is OFF
+
+
+def test_plain_seconds_prices_sd_tokens_at_plain_decodings_step_time():
+    """What plain decoding would take for an SD step's tokens: tokens / bs * t_off(bs), from the measured "off"
+    steps of the bucket (the nearest batch size measured); None before any, so no SD step is priced by a guess."""
+    b = StrategyBandit([8, math.inf], [[OFF, Arm("chain4", "eagle_chain", depth=4)], [OFF]], epsilon=0.0)
+    assert b.plain_seconds(4, 8) is None
+    b.update(4, OFF, 4, 0.1)
+    assert b.plain_seconds(4, 8) == pytest.approx(8 / 4 * 0.1)
+    assert b.plain_seconds(2, 6) == pytest.approx(6 / 2 * 0.1)  # nearest measured batch size in the bucket
+    assert b.plain_seconds(20, 20) is None  # another bucket, nothing measured there

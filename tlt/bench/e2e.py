@@ -289,6 +289,21 @@ def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
     return res
 
 
+# what each part of a step costs, per mode (median seconds a step): the trainer's phases, then what speculative
+# decoding and online drafter training add (docs/design.md §6); spec_net_saved < 0 means SD steps cost time
+COSTS = {"rollout": "timing_s/gen", "reward": "timing_s/reward", "old_logp": "timing_s/old_log_prob",
+         "update": "timing_s/update_actor", "drafter": "timing_s/drafter", "draft": "rollout/spec_draft_time_s",
+         "catchup": "rollout/spec_catchup_time_s", "verify": "rollout/spec_verify_time_s",
+         "spec_net_saved": "rollout/spec_net_saved_s", "keep_hidden": "rollout/spec_hidden_keep_time_s",
+         "copy_hidden": "rollout/hidden_copy_time_s", "buffer": "drafter/buffer_time_s",
+         "train_drafter": "drafter/train_time_s", "compare": "drafter/compare/time_s"}
+
+
+def cost_table(res_records: dict[str, list[dict]]) -> list[dict]:
+    return [{"mode": mode, **{name: _median_metric(recs, key) for name, key in COSTS.items()}}
+            for mode, recs in res_records.items()]
+
+
 def _median_metric(recs: list[dict], key: str) -> float | None:
     xs = [r["metrics"][key] for r in recs if r["metrics"].get(key) is not None]
     return statistics.median(xs) if xs else None
@@ -373,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"mode": m, **v} for m, v in res.items()]
     print_table(rows, ["mode", "gen_s", "gen_spread", "gen_tok_s", "step_s", "step_spread", "gen_share", "gen_speedup",
                        "gen_speedup_spread", "step_speedup", "step_speedup_spread", "accept_len", "sd_on"])
+    costs = cost_table(records)
+    print("\nwhere the time goes (median seconds a step; draft includes catchup; spec_net_saved: plain decoding's "
+          "time for the SD steps' tokens minus theirs, negative when SD cost time):")
+    print_table(costs, ["mode", *COSTS])
     if "off" in res and len(res) > 1:
         print("\nlearning vs off. same_resp: fraction of responses equal to off's, token for token (1.0: the same "
               "training run). Per-response law tests (p > 0.05 = no detectable difference); step1_*: the first step, "
@@ -397,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                             "train_batch_size": d.train_batch_size, "n": r.n,
                             "max_response_length": d.max_response_length, "sd_method": method, "drafter": drafter,
                             "drafter_note": note, "png": str(png), "modes": res,
+                            "costs": {c["mode"]: {k: v for k, v in c.items() if k != "mode"} for c in costs},
                             "goal": {"step_speedup": STEP_SPEEDUP_GOAL, "best": best,
                                      "met": best >= STEP_SPEEDUP_GOAL,
                                      "free_rollout_bound": res["off"]["free_rollout_bound"] if "off" in res else None}})

@@ -97,7 +97,9 @@ class OnlineDrafterHook(DrafterHook):
             if "error" in result:
                 raise result["error"]
             metrics.update(self._finish(*result["trained"]))
+        t0 = time.perf_counter()
         self.add_outputs(step, outputs)
+        metrics["drafter/buffer_time_s"] = time.perf_counter() - t0
         self.last_step = step
         if self.frozen is not None and self.fresh_heldout:
             metrics.update(self.compare_drafters())

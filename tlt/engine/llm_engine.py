@@ -33,6 +33,7 @@ class EngineStats:
     num_generated_tokens: int = 0
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
+    hidden_copy_time_s: float = 0.0  # host copies of hidden states the requests asked for (drafter data)
 
 
 class LLMEngine:
@@ -192,7 +193,9 @@ class LLMEngine:
         hidden: per sequence a [k, H] tensor of the states that produced its k tokens (or None)."""
         done = []
         if hidden is not None and any(s.params.return_hidden_states for s in seqs):
+            t0 = time.perf_counter()
             hidden = [h.to("cpu", torch.bfloat16) for h in hidden]  # host copy once, bf16 (drafter data)
+            self.stats.hidden_copy_time_s += time.perf_counter() - t0
         for i, (seq, toks, lps) in enumerate(zip(seqs, tokens, logprobs)):
             p = seq.params
             before = len(seq.output_ids)

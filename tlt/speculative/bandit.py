@@ -185,6 +185,12 @@ class StrategyBandit:
                 if not steps:
                     self.totals[b][a.name] = [0.0, 0.0]  # exact zero, whatever the float residue of the sums
 
+    def plain_seconds(self, batch_size: int, tokens: float) -> float | None:
+        """What plain decoding would take for `tokens` at `batch_size` (tokens / bs * t_off(bs)), from the "off"
+        steps measured in its bucket; None before any."""
+        b = self.bucket(batch_size)
+        return tokens / batch_size * self._plain_step_s(b, batch_size) if self.off_step_s[b] else None
+
     def _plain_step_s(self, b: int, batch_size: int) -> float:
         """Mean step time of "off" at this batch size, else at the nearest measured one; 1.0 before any."""
         known = self.off_step_s[b]

@@ -70,6 +70,7 @@ class SpecDecoder:
         self.st = {"verify_steps": 0, "emitted": 0, "plain_steps": 0, "gate_steps": 0, "spec_on_steps": 0,
                    "accept_by_bucket": defaultdict(lambda: [0, 0]), "accept_by_pos": defaultdict(lambda: [0, 0]),
                    "arm_counts": defaultdict(int), "draft_time_s": 0.0, "verify_time_s": 0.0,
+                   "catchup_time_s": 0.0, "hist_time_s": 0.0, "sd_step_time_s": 0.0, "plain_equiv_s": 0.0,
                    "bulk_time_s": 0.0, "tail_time_s": 0.0}
         self._gate_on = False
 
@@ -86,6 +87,11 @@ class SpecDecoder:
             "spec_accept_rate_by_position": {d: a / max(n, 1) for d, (a, n) in sorted(s["accept_by_pos"].items())},
             "spec_arm_counts": dict(s["arm_counts"]),
             "spec_draft_time_s": s["draft_time_s"], "spec_verify_time_s": s["verify_time_s"],
+            # what the machinery costs (docs/design.md §6): the drafter catching up on plainly decoded positions
+            # (part of draft time), keeping the target's hidden states for it, and the net time SD steps saved
+            # against plain decoding of the same tokens at the same batch sizes (negative: SD cost time)
+            "spec_catchup_time_s": s["catchup_time_s"], "spec_hidden_keep_time_s": s["hist_time_s"],
+            "spec_step_time_s": s["sd_step_time_s"], "spec_net_saved_s": s["plain_equiv_s"] - s["sd_step_time_s"],
             "decode_time_bulk_s": s["bulk_time_s"], "decode_time_tail_s": s["tail_time_s"],
         }
 
@@ -100,16 +106,20 @@ class SpecDecoder:
     def on_prefill(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         if self.drafter is None:
             return
+        t0 = time.perf_counter()
         for i, s in enumerate(seqs):
             h = torch.empty(s.max_total_len + self.cfg.max_draft_len() + 1, hidden.shape[-1], dtype=hidden.dtype,
                             device=hidden.device)
             h[:len(s.prompt_ids)] = hidden[i, :len(s.prompt_ids)]
             self.hist[s.seq_id], self.dcached[s.seq_id] = h, 0
+        self.st["hist_time_s"] += time.perf_counter() - t0
 
     def on_plain_decode(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         if self.drafter is not None:  # keep h_t so that turning SD on costs only a drafter extend
+            t0 = time.perf_counter()
             for i, s in enumerate(seqs):
                 self.hist[s.seq_id][s.num_cached - 1] = hidden[i]
+            self.st["hist_time_s"] += time.perf_counter() - t0
 
     def on_finish(self, done: list[Sequence]) -> None:
         for s in done:
@@ -155,8 +165,12 @@ class SpecDecoder:
         else:
             done, emitted = self._speculate(seqs, arm, bucket)
         # a step that captured a CUDA graph (~10-100 plain steps, once) says nothing of the arm
+        seconds = time.perf_counter() - t0
         if self.engine.num_graph_captures == captures:
-            self.bandit.update(len(seqs), arm, emitted, time.perf_counter() - t0)
+            if arm.method != "off" and (plain := self.bandit.plain_seconds(len(seqs), emitted)) is not None:
+                self.st["sd_step_time_s"] += seconds
+                self.st["plain_equiv_s"] += plain
+            self.bandit.update(len(seqs), arm, emitted, seconds)
         return done
 
     def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str) -> tuple[list[Sequence], int]:
@@ -173,7 +187,9 @@ class SpecDecoder:
             tokens, parents, valid = chain_to_tree(roots, draft, torch.tensor([len(p) for p in props], device=dev))
             q = None
         else:
+            t_catchup = time.perf_counter()
             root_pred = self._drafter_catch_up(seqs)
+            self.st["catchup_time_s"] += time.perf_counter() - t_catchup
             self.dcache.ensure_capacity(int(n.max()) + arm.depth * arm.topk + 1)
             if self.cfg.acceptance == "rejection" and arm.method == "eagle_chain":
                 tree = draft_chain_sampled(self.drafter, self.dcache, roots, root_pred, n, n, arm.depth, temp,
