@@ -71,6 +71,9 @@ class RolloutConfig:
                                     "captured CUDA graphs (vLLM's switch; no effect on CPU)")
     dynamic_sampling: bool = _f(False, "DAPO: drop groups whose rewards are all equal")
     overlong_filter: bool = _f(False, "mask out responses truncated at max_response_length from the loss")
+    replica_timeout_s: float | None = _f(None, "Ray rollout replicas: seconds a replica may take for its share of a "
+                                               "step before it is treated as dead (its prompts rerun elsewhere); "
+                                               "null = wait forever", gt=0)
 
 
 @dataclass
@@ -173,13 +176,16 @@ class DrafterTrainConfig:
 class TrainerConfig:
     total_steps: int = _f(20, "RL steps to run", ge=1)
     save_freq: int = _f(10, "checkpoint every N steps; -1 = only at the end", ge=-1)
+    max_ckpt_to_keep: int | None = _f(None, "keep the newest N complete checkpoints (older ones are deleted once a "
+                                            "new one is complete); null = keep all", ge=1)
     test_freq: int = _f(10, "validate every N steps; -1 = never", ge=-1)
     project_name: str = _f("tlt", "project name for loggers")
     experiment_name: str = _f("default", "run name; outputs go to default_local_dir/experiment_name")
     default_local_dir: str = _f("runs", "root directory of run outputs")
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = _f(
         ["console", "jsonl"], "metric sinks")
-    resume: str = _f("auto", "disable | auto (latest checkpoint in the run dir) | a checkpoint path")
+    resume: str = _f("auto", "disable | auto (the newest complete checkpoint in the run dir) | a checkpoint "
+                                "path")
     seed: int = _f(0, "global seed (torch, sampling)")
     num_rollout_workers: int = _f(1, "rollout replicas", ge=1)
     use_ray: bool = _f(False, "run rollout workers as Ray actors")

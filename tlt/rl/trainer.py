@@ -45,6 +45,7 @@ import torch.distributed as dist
 from tlt.config import Config, ConfigError, format_config, load_config
 from tlt.device import DTYPES, resolve_device
 from tlt.engine.outputs import RequestOutput
+from tlt.faults import fault_point
 from tlt.rl.actor import Actor
 from tlt.rl.advantages import compute_advantages, get_adv_estimator, groups_to_keep, keep_mask
 from tlt.rl.checkpoint import (CheckpointManager, TrainerState, capture_rng_state, copy_hf_side_files,
@@ -152,7 +153,7 @@ class GRPOTrainer:
         self.device = torch.device("cuda", self.dist.local_rank) if device.type == "cuda" else device
         torch.manual_seed(t.seed)
         self.run_dir = Path(t.default_local_dir) / t.project_name / t.experiment_name
-        self.ckpt = CheckpointManager(self.run_dir)
+        self.ckpt = CheckpointManager(self.run_dir, t.max_ckpt_to_keep)
         resume_dir = self.ckpt.resolve_resume(t.resume)
         dtype = DTYPES[cfg.policy_dtype()]
 
@@ -190,6 +191,7 @@ class GRPOTrainer:
             with timer("step"):
                 self.drafter_hook.before_rollout(step)
                 rollout, outputs, step_metrics = self.collect_rollouts(step, timer)
+                fault_point("rollout", step)
                 adv = compute_advantages(rollout.scores, rollout.group_ids, cfg.algorithm)
                 batch = rollout.to_actor_batch(adv.values, self.loss_mask(rollout, adv.valid_mask),
                                                cfg.rollout.temperature, self.device)
@@ -202,18 +204,19 @@ class GRPOTrainer:
                 with timer("update_actor"):
                     step_metrics.update(self.actor.update(batch, self.num_mini_batches))
                     self.sync_rollout_weights()
+                fault_point("update", step)
                 step_metrics.update(self.logprob_diff(batch, engine_log_probs, trainer_rows))
                 with timer("drafter"):
                     step_metrics.update(self.drafter_hook.after_rollout(step, rollout, outputs))
                 if t.test_freq > 0 and self.val_examples and (step % t.test_freq == 0 or step == t.total_steps):
                     with timer("testing"):
                         step_metrics.update(self.validate())
-                if step == t.total_steps or (t.save_freq > 0 and step % t.save_freq == 0):
-                    with timer("save"):
-                        self.save_checkpoint(step)
             metrics = self.step_metrics(step_metrics, timer, rollout, adv.values)
             self.logger.log(step, metrics)
             self.logger.log_lengths(step, sum(gather(rollout.response_lengths, self.dist), []))
+            # after the step's metrics are written: a kill in between re-runs the step, never loses its row
+            if step == t.total_steps or (t.save_freq > 0 and step % t.save_freq == 0):
+                self.save_checkpoint(step)
         self.logger.close()
         if self.rollout_engine is not self.llm:
             self.rollout_engine.close()
