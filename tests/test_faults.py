@@ -97,3 +97,100 @@ def test_fault_spec_is_checked_and_inert_without_the_variable(monkeypatch):
     fault_point("rollout", 2)  # no variable: nothing happens
     monkeypatch.setenv("TLT_FAULT_AT", "update:3")
     fault_point("rollout", 3)  # another phase: nothing happens either (the kill itself is the subprocess tests')
+
+
+# ---------------------------------------------------------------- checkpoints, in process
+
+
+def save_fake(manager, step: int, cfg) -> Path:
+    from tlt.rl.checkpoint import TrainerState, capture_rng_state
+
+    def write_model(path: Path) -> None:
+        torch.save({}, path / "model.safetensors")  # stands in for the weights: only its presence matters here
+    state = TrainerState(step=step, actor={"optimizer": {"lr": 0.1}}, rng=capture_rng_state(), data={"index": step})
+    return manager.save(step, write_model, state, cfg)
+
+
+@pytest.fixture
+def cfg():
+    from tlt.config import load_config
+    return load_config(None, [])
+
+
+def test_resume_auto_skips_an_incomplete_newest_checkpoint(tmp_path, cfg, caplog):
+    from tlt.rl.checkpoint import STATE_FILE, CheckpointManager
+    manager = CheckpointManager(tmp_path)
+    for step in (1, 2, 3):
+        save_fake(manager, step, cfg)
+    (manager.step_dir(3) / STATE_FILE).unlink()  # e.g. a copy cut short; the latest-step file still says 3
+    with caplog.at_level("WARNING"):
+        assert manager.resolve_resume("auto") == manager.step_dir(2)
+    assert "global_step_3" in caplog.text and STATE_FILE in caplog.text and "global_step_2" in caplog.text
+    with pytest.raises(ValueError, match="not a complete tlt checkpoint"):
+        manager.resolve_resume(str(manager.step_dir(3)))
+    # a complete newer directory the latest-step file does not name yet (killed before it was updated) is used
+    save_fake(manager, 4, cfg)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2\n")
+    assert manager.resolve_resume("auto") == manager.step_dir(4)
+
+
+def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path, cfg):
+    from tlt.rl.checkpoint import CheckpointManager
+    keep_all = CheckpointManager(tmp_path / "all")
+    rotated = CheckpointManager(tmp_path / "two", max_to_keep=2)
+    for step in (1, 2, 3, 4):
+        save_fake(keep_all, step, cfg)
+        save_fake(rotated, step, cfg)
+    assert keep_all.complete_steps() == [1, 2, 3, 4]
+    assert rotated.complete_steps() == [3, 4]
+    one = CheckpointManager(tmp_path / "one", max_to_keep=1)
+    save_fake(one, 5, cfg)
+    save_fake(one, 6, cfg)  # the one resumed from (5) goes only once 6 is complete
+    assert one.complete_steps() == [6]
+
+
+def test_resave_never_points_at_a_missing_directory(tmp_path, cfg):
+    from tlt.rl.checkpoint import LATEST_FILE, CheckpointManager
+    manager = CheckpointManager(tmp_path)
+    save_fake(manager, 1, cfg)
+    save_fake(manager, 2, cfg)
+    manager._point_away_from(2)  # what save() does before swapping global_step_2 out
+    assert (tmp_path / LATEST_FILE).read_text().strip() == "1"
+    save_fake(manager, 2, cfg)
+    assert (tmp_path / LATEST_FILE).read_text().strip() == "2"
+    only = CheckpointManager(tmp_path / "only")
+    save_fake(only, 1, cfg)
+    only._point_away_from(1)  # no other complete checkpoint: no pointer at all rather than a dangling one
+    assert not (tmp_path / "only" / LATEST_FILE).exists()
+    (tmp_path / ".global_step_3.tmp-123").mkdir()  # a save a crash interrupted
+    save_fake(manager, 3, cfg)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".global_step")]
+
+
+def test_trainer_state_loads_with_weights_only_and_restores_every_rng(tmp_path, cfg):
+    import pickle
+    import random
+
+    import numpy as np
+
+    from tlt.rl.checkpoint import CheckpointManager, load_trainer_state, restore_rng_state
+    path = save_fake(CheckpointManager(tmp_path), 1, cfg)
+    draws = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    restore_rng_state(load_trainer_state(path).rng)  # torch.load(weights_only=True) inside
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == draws
+    torch.save({"numpy": np.random.get_state()}, tmp_path / "raw.pt")  # numpy's own state: refused by weights_only
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(tmp_path / "raw.pt", weights_only=True)
+
+
+def test_drafter_checkpoint_thread_surfaces_any_failure(tmp_path):
+    from tlt.drafter_train.trainer import AsyncCheckpointer
+    ckpt = AsyncCheckpointer()
+    ckpt.save({"w": torch.zeros(2)}, tmp_path / "d.safetensors", metadata={"steps": 3})  # not str: TypeError
+    ckpt._thread.join()
+    with pytest.raises(RuntimeError, match="drafter checkpoint write failed"):
+        ckpt.check()
+    ckpt.save({"w": torch.zeros(2)}, tmp_path / "d.safetensors")
+    ckpt.wait()  # the error was raised once; a good write then succeeds
+    assert load_file(str(tmp_path / "d.safetensors"))["w"].shape == (2,)
+    assert not list(tmp_path.glob("*.tmp*"))
