@@ -20,7 +20,7 @@ copy; the engine's drafter changes only in the main thread.
 
 The hook's checkpoint state is the published drafter weights, the optimiser, the sampling generator, the
 counters and the buffer (its hidden states too: a resumed run must train on what the uninterrupted one would, to
-end with the same drafter).
+end with the same drafter; save_buffer=False leaves it out, and it refills from the next rollouts).
 """
 from __future__ import annotations
 
@@ -51,9 +51,11 @@ class OnlineDrafterHook(DrafterHook):
     wants_hidden_states = True
 
     def __init__(self, cfg: DrafterTrainConfig, spec, seed: int = 0, max_steps: int | None = None,
-                 max_seconds: float | None = None, ckpt_dir: str | None = None, spot: bool = False):
+                 max_seconds: float | None = None, ckpt_dir: str | None = None, spot: bool = False,
+                 save_buffer: bool = True):
         """spec: the engine's SpecDecoder (`llm.spec`) whose drafter is trained and replaced; spot: train alongside
-        the next rollout (see the module doc)."""
+        the next rollout (see the module doc); save_buffer: state_dict holds the buffer too
+        (trainer.save_drafter_buffer)."""
         if spec is None or spec.drafter is None:
             raise ValueError("online drafter training needs an engine with an EAGLE drafter "
                              "(speculative.enabled=true, speculative.method=eagle)")
@@ -72,7 +74,7 @@ class OnlineDrafterHook(DrafterHook):
         self.version = 0             # sessions published so far
         self.new_tokens = 0          # loss tokens added since the last session
         self.last_train: dict[str, float] = {}
-        self.spot = spot
+        self.spot, self.save_buffer = spot, save_buffer
         self.last_step = 0           # RL step of the newest data in the buffer
         self._pending: tuple[threading.Thread, dict] | None = None  # a spot session in flight
 
@@ -188,13 +190,13 @@ class OnlineDrafterHook(DrafterHook):
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Published drafter weights, optimiser, generator, counters and the buffer."""
+        """Published drafter weights, optimiser, generator, counters and (save_buffer) the buffer."""
         self.trainer.checkpointer.wait()
         published = {k: v.detach().to("cpu", copy=True) for k, v in self.spec.drafter.trainable_state_dict().items()}
         return {"drafter": published, "optimizer": self.trainer.opt.state_dict(), "version": self.version,
                 "drafter_steps": self.trainer.total_steps, "generator": self.trainer.generator.get_state(),
-                "last_train": dict(self.last_train), "buffer": self.buffer.state_dict(),
-                "new_tokens": self.new_tokens, "last_step": self.last_step,
+                "last_train": dict(self.last_train), "new_tokens": self.new_tokens, "last_step": self.last_step,
+                "buffer": self.buffer.state_dict() if self.save_buffer else None,
                 "frozen": None if self.frozen is None else {k: v.detach().to("cpu", copy=True) for k, v in
                                                             self.frozen.drafter.trainable_state_dict().items()}}
 
@@ -212,7 +214,8 @@ class OnlineDrafterHook(DrafterHook):
         self.trainer.generator.set_state(state["generator"])
         self.version, self.trainer.total_steps = state["version"], state["drafter_steps"]
         self.last_train = dict(state["last_train"])
-        self.buffer.load_state_dict(state["buffer"])
+        if state["buffer"] is not None:
+            self.buffer.load_state_dict(state["buffer"])
         self.new_tokens, self.last_step = int(state["new_tokens"]), int(state["last_step"])
         if self.frozen is not None and state.get("frozen") is not None:  # the run's warm start, not the resumed one
             self.frozen.drafter.load_state_dict(state["frozen"], strict=False)
