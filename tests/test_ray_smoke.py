@@ -102,6 +102,64 @@ def test_replica_death_reruns_groups(ray_local, tiny_llama_dir):
         rollout.close()
 
 
+def test_hung_replica_times_out_and_its_groups_rerun(ray_local, tiny_llama_dir):
+    """A replica that hangs (alive, never answering) past replica_timeout_s is treated like a dead one."""
+    import threading
+
+    from tlt.workers.ray_rollout import SpotRollout
+
+    class HangingReplica(RolloutReplica):
+        def generate_groups(self, groups, params, rl_step):
+            if self.replica_id == 1:
+                threading.Event().wait()  # hangs forever; the process stays alive
+            return super().generate_groups(groups, params, rl_step)
+
+    rollout = SpotRollout(tiny_llama_dir, 2, CFG, SpotConfig(min_train_tokens=8, session_steps=10_000, poll_s=0.05,
+                                                             replica_timeout_s=5.0), replica_cls=HangingReplica)
+    try:
+        ps = params(0, long=24, temperature=0.0)
+        outs, rep = rollout.run_step(GROUPS, ps, 0)
+        assert rep.timed_out_replicas == [1] and rep.dead_replicas == [1] and rep.requeued_groups == 2
+        assert rep.metrics()["spot/num_timed_out_replicas"] == 1.0
+        assert [[c.token_ids for c in o.outputs] for o in outs] == greedy_reference(tiny_llama_dir, ps)
+        assert rollout.live() == [0]
+        outs, rep = rollout.run_step(GROUPS, params(1, long=8), 1)  # the run goes on with one replica
+        assert len(outs) == 4 and all(len(o.outputs) == 2 for o in outs) and rep.timed_out_replicas == []
+    finally:
+        rollout.close()
+
+
+def test_crashed_drafter_session_keeps_the_last_published_drafter(ray_local, tiny_llama_dir):
+    """A drafter session that raises on a live replica publishes nothing; every replica drafts (and trains on)
+    the last published drafter, and the rollout finishes."""
+    import torch
+
+    from tlt.workers.ray_rollout import SpotRollout
+
+    class CrashingTrainer(RolloutReplica):
+        def _session(self, max_steps, rl_step, flag, t0):
+            if rl_step >= 1:  # crash mid-session, after a drafter step changed the training copy
+                self.trainer.train_steps(self.buffer, 1, flag, step=rl_step)
+                raise RuntimeError("simulated drafter trainer crash")
+            return super()._session(max_steps, rl_step, flag, t0)
+
+    rollout = SpotRollout(tiny_llama_dir, 2, CFG, SpotConfig(min_train_tokens=8, session_steps=10_000, poll_s=0.05),
+                          replica_cls=CrashingTrainer)
+    try:
+        _, rep = rollout.run_step(GROUPS, params(0), 0)
+        assert rep.published and rep.failed_sessions == 0
+        version, published = rollout.drafter_version, rollout.drafter_state()
+        outs, rep = rollout.run_step(GROUPS, params(1), 1)
+        assert len(outs) == 4 and rep.failed_sessions >= 1 and rep.published == []
+        assert rollout.drafter_version == version and rollout.live() == [0, 1]
+        for r, stats in rollout.replica_stats().items():
+            assert stats["drafter_version"] == version
+            copy = ray.get(rollout.actors[r].drafter_state.remote())  # the training copy went back too
+            assert all(torch.equal(copy[k], v) for k, v in published.items()), f"replica {r} kept crashed weights"
+    finally:
+        rollout.close()
+
+
 def test_trainer_over_ray_replicas_trains_and_harvests(tmp_path, monkeypatch, capsys):
     """`tlt train configs/smoke.yaml trainer.use_ray=true trainer.num_rollout_workers=2`: rollouts on two Ray
     replicas, the idle one trains the drafter, spot metrics are logged, the policy still learns from the rollouts."""

@@ -62,6 +62,9 @@ class RolloutConfig:
                                     "captured CUDA graphs (vLLM's switch; no effect on CPU)")
     dynamic_sampling: bool = _f(False, "DAPO: drop groups whose rewards are all equal")
     overlong_filter: bool = _f(False, "mask out responses truncated at max_response_length from the loss")
+    replica_timeout_s: float | None = _f(None, "Ray rollout replicas: seconds one generate call may run before its "
+                                               "replica is treated as dead (killed; its prompts rerun elsewhere); "
+                                               "null = wait forever", gt=0)
 
 
 @dataclass
@@ -140,13 +143,19 @@ class DrafterTrainConfig:
 class TrainerConfig:
     total_steps: int = _f(20, "RL steps to run", ge=1)
     save_freq: int = _f(10, "checkpoint every N steps; -1 = only at the end", ge=-1)
+    save_drafter_buffer: bool = _f(True, "save the online drafter's hidden-state buffer with each checkpoint, so "
+                                         "a resumed run trains the very drafter an uninterrupted one would (size: "
+                                         "buffered tokens x hidden size x 2 bytes); false = it refills after a resume")
+    max_ckpt_to_keep: int | None = _f(None, "keep the newest N complete checkpoints (older ones are deleted once a "
+                                            "new one is complete); null = keep all", ge=1)
     test_freq: int = _f(10, "validate every N steps; -1 = never", ge=-1)
     project_name: str = _f("tlt", "project name for loggers")
     experiment_name: str = _f("default", "run name; outputs go to default_local_dir/experiment_name")
     default_local_dir: str = _f("runs", "root directory of run outputs")
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = _f(
         ["console", "jsonl"], "metric sinks")
-    resume: str = _f("auto", "disable | auto (latest checkpoint in the run dir) | a checkpoint path")
+    resume: str = _f("auto", "disable | auto (the newest complete checkpoint in the run dir) | a checkpoint "
+                                "path")
     seed: int = _f(0, "global seed (torch, sampling)")
     num_rollout_workers: int = _f(1, "rollout replicas", ge=1)
     use_ray: bool = _f(False, "run rollout workers as Ray actors")

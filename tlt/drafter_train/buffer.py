@@ -115,6 +115,18 @@ class DrafterBuffer:
                 added += 1
         return added
 
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The samples (tensors and ints: torch.load(weights_only=True) reads them) and counters."""
+        return {"samples": [{"token_ids": s.token_ids, "hidden": s.hidden, "response_start": s.response_start,
+                             "rl_step": s.rl_step, "hidden_start": s.hidden_start, "heldout": s.heldout}
+                            for s in self.samples],
+                "num_tokens": self.num_tokens, "num_added": self._num_added}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.samples = collections.deque(DrafterSample(**s) for s in state["samples"])
+        self.num_tokens, self._num_added = int(state["num_tokens"]), int(state["num_added"])
+
     # ---- sampling ------------------------------------------------------------------------------------------
     @property
     def latest_step(self) -> int:

@@ -18,8 +18,9 @@ project's 2-core CPU it slowed a rollout by ~12% and saved a ~4 s session); it i
 rollout, so a drafter reaches the engine one step later. The session reads only the buffer and its own training
 copy; the engine's drafter changes only in the main thread.
 
-The hook's checkpoint state is the published drafter weights, the optimiser and the counters. The buffer is
-NOT saved (hidden states are large and stale after a resume): it refills from the next rollouts.
+The hook's checkpoint state is the published drafter weights, the optimiser, the sampling generator, the
+counters and the buffer (its hidden states too: a resumed run must train on what the uninterrupted one would, to
+end with the same drafter; save_buffer=False leaves it out, and it refills from the next rollouts).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from tlt.drafter_train.hook import DrafterHook
 from tlt.drafter_train.packing import PackedBatch, pack
 from tlt.drafter_train.trainer import DrafterTrainer, should_publish
 from tlt.engine.outputs import RequestOutput
+from tlt.faults import fault_point
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.drafter_io import save_drafter
 
@@ -48,9 +50,11 @@ class OnlineDrafterHook(DrafterHook):
     wants_hidden_states = True
 
     def __init__(self, cfg: DrafterTrainConfig, spec, seed: int = 0, max_steps: int | None = None,
-                 max_seconds: float | None = None, ckpt_dir: str | None = None, spot: bool = False):
+                 max_seconds: float | None = None, ckpt_dir: str | None = None, spot: bool = False,
+                 save_buffer: bool = True):
         """spec: the engine's SpecDecoder (`llm.spec`) whose drafter is trained and replaced; spot: train alongside
-        the next rollout (see the module doc)."""
+        the next rollout (see the module doc); save_buffer: state_dict holds the buffer too
+        (trainer.save_drafter_buffer)."""
         if spec is None or spec.drafter is None:
             raise ValueError("online drafter training needs an engine with an EAGLE drafter "
                              "(speculative.enabled=true, speculative.method=eagle)")
@@ -69,7 +73,7 @@ class OnlineDrafterHook(DrafterHook):
         self.version = 0             # sessions published so far
         self.new_tokens = 0          # loss tokens added since the last session
         self.last_train: dict[str, float] = {}
-        self.spot = spot
+        self.spot, self.save_buffer = spot, save_buffer
         self.last_step = 0           # RL step of the newest data in the buffer
         self._pending: tuple[threading.Thread, dict] | None = None  # a spot session in flight
 
@@ -96,7 +100,7 @@ class OnlineDrafterHook(DrafterHook):
             self._pending = None
             if "error" in result:
                 raise result["error"]
-            metrics.update(self._finish(*result["trained"]))
+            metrics.update(self._finish(step, *result["trained"]))
         t0 = time.perf_counter()
         self.add_outputs(step, outputs)
         metrics["drafter/buffer_time_s"] = time.perf_counter() - t0
@@ -149,7 +153,7 @@ class OnlineDrafterHook(DrafterHook):
 
     def train_session(self, step: int) -> dict[str, float]:
         """Train, evaluate old vs new on the held-out slice, publish or roll back. Returns drafter/* metrics."""
-        return self._finish(*self._train(step))
+        return self._finish(step, *self._train(step))
 
     def _train(self, step: int):
         """The session's work on the training copy (a spot thread runs this): train on the buffer as it is."""
@@ -164,11 +168,12 @@ class OnlineDrafterHook(DrafterHook):
         new = self.trainer.evaluate(heldout) if heldout is not None else None
         return stats, old, new, snapshot, time.perf_counter() - t0
 
-    def _finish(self, stats, old, new, snapshot, seconds: float) -> dict[str, float]:
-        """Publish into the engine or roll back (main thread). Returns drafter/* metrics."""
+    def _finish(self, step: int, stats, old, new, snapshot, seconds: float) -> dict[str, float]:
+        """Publish into the engine or roll back (main thread) during RL step `step`. Returns drafter/* metrics."""
         publish = stats.steps > 0 and (new is None or should_publish(new, old))
         if publish:
             self.spec.load_drafter_state(self.drafter.trainable_state_dict())
+            fault_point("publish", step)
             self.version += 1
         else:
             self.drafter.load_state_dict(snapshot, strict=False)  # refused: keep training from the published one
@@ -186,12 +191,13 @@ class OnlineDrafterHook(DrafterHook):
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Published drafter weights, optimiser and counters; the buffer is dropped (it refills on resume)."""
+        """Published drafter weights, optimiser, generator, counters and (save_buffer) the buffer."""
         self.trainer.checkpointer.wait()
         published = {k: v.detach().to("cpu", copy=True) for k, v in self.spec.drafter.trainable_state_dict().items()}
         return {"drafter": published, "optimizer": self.trainer.opt.state_dict(), "version": self.version,
                 "drafter_steps": self.trainer.total_steps, "generator": self.trainer.generator.get_state(),
-                "last_train": dict(self.last_train),
+                "last_train": dict(self.last_train), "new_tokens": self.new_tokens, "last_step": self.last_step,
+                "buffer": self.buffer.state_dict() if self.save_buffer else None,
                 "frozen": None if self.frozen is None else {k: v.detach().to("cpu", copy=True) for k, v in
                                                             self.frozen.drafter.trainable_state_dict().items()}}
 
@@ -210,6 +216,9 @@ class OnlineDrafterHook(DrafterHook):
         self.trainer.generator.set_state(state["generator"])
         self.version, self.trainer.total_steps = state["version"], state["drafter_steps"]
         self.last_train = dict(state["last_train"])
+        if state["buffer"] is not None:
+            self.buffer.load_state_dict(state["buffer"])
+        self.new_tokens, self.last_step = int(state["new_tokens"]), int(state["last_step"])
         if self.frozen is not None and state.get("frozen") is not None:  # the run's warm start, not the resumed one
             self.frozen.drafter.load_state_dict(state["frozen"], strict=False)
 

@@ -4,11 +4,14 @@ loss = 1.0 * SmoothL1(pred h_{t+1}, target h_{t+1}) + 0.1 * soft-CE(softmax(lm_h
 both averaged over loss-mask (response) tokens. Only the drafter's fc and layer train; the target's embedding
 and LM head are shared and frozen (the LM head weight is detached here so no gradient reaches the target).
 Preemption is step-granular: the stop flag is checked between steps. Checkpoints hold the trainable params
-only and are written by a background thread (temp file + os.replace, so a reader never sees half a file).
+only and are written by a background thread (temp file + os.replace, so a reader never sees half a file); a
+failed write is logged there and raised in the caller's thread at the next drafter step or checkpoint, so the run
+fails loudly instead of training on without its checkpoints.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -26,6 +29,7 @@ from tlt.drafter_train.packing import PackedBatch
 from tlt.device import cpu_has_fast_bf16
 from tlt.speculative.drafter import Drafter
 
+logger = logging.getLogger(__name__)
 HIDDEN_WEIGHT, CE_WEIGHT = 1.0, 0.1
 StopFlag = threading.Event | Callable[[], bool] | None
 
@@ -80,19 +84,26 @@ class AsyncCheckpointer:
             try:
                 save_file(cpu, str(tmp), metadata=metadata)
                 os.replace(tmp, path)  # atomic: readers see the old file or the new one, never a partial one
-            except OSError as e:
+            except Exception as e:  # any failure, not just I/O: raised in the caller's thread by check()
+                logger.exception("drafter checkpoint write to %s failed", path)
                 self.error = e
+                tmp.unlink(missing_ok=True)
 
         self._thread = threading.Thread(target=write, name="drafter-ckpt", daemon=True)
         self._thread.start()
 
     def wait(self) -> None:
+        """Join the write in flight; raise its error, if it failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.check()
+
+    def check(self) -> None:
+        """Raise the error of a finished write that failed (without waiting for one in flight)."""
         if self.error is not None:
             err, self.error = self.error, None
-            raise RuntimeError(f"drafter checkpoint write failed: {err}") from err
+            raise RuntimeError(f"drafter checkpoint write failed: {err!r}") from err
 
 
 class DrafterTrainer:
@@ -142,6 +153,7 @@ class DrafterTrainer:
         return loss, correct, m
 
     def train_step(self, batch: PackedBatch) -> StepMetrics:
+        self.checkpointer.check()  # a failed background write stops training here, in this thread
         self.drafter.train()
         loss, _, m = self._forward(batch)
         self.opt.zero_grad(set_to_none=True)

@@ -10,13 +10,18 @@ Layout (verl's): <default_local_dir>/<project_name>/<experiment_name>/
 
 A checkpoint is written into a temporary directory next to its final place, every file fsynced, then renamed
 into place (a crash leaves either the old state or the new one, never half a checkpoint); the latest-step file
-is replaced atomically after that. trainer_state.pt is our own pickle (torch.load with weights_only=False):
-load only checkpoints you wrote.
+is replaced atomically after that, and never names a directory that is not there (re-saving a step points it at
+another complete checkpoint during the swap). trainer.resume=auto resumes from the newest COMPLETE checkpoint
+(all of REQUIRED_FILES present), saying which newer directories it skipped. trainer.max_ckpt_to_keep rotates
+old checkpoints out once a new one is complete. trainer_state.pt holds tensors and plain containers only and is
+loaded with torch.load(weights_only=True): nothing in it can run code.
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -27,11 +32,16 @@ import numpy as np
 import torch
 
 from tlt.config import Config, ConfigError, save_config
+from tlt.faults import fault_point
+
+logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "config.yaml"
 HF_SIDE_FILES = ("config.json", "generation_config.json")
+REQUIRED_FILES = ("model.safetensors", STATE_FILE, CONFIG_FILE)  # a checkpoint missing any of them is incomplete
+STEP_DIR = re.compile(r"global_step_(\d+)")
 
 
 @dataclass
@@ -46,15 +56,22 @@ class TrainerState:
 
 
 def capture_rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG the run draws from, as tensors and plain containers (torch.load(weights_only=True) reads them)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -86,32 +103,54 @@ def write_text_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+def is_complete(path: Path) -> bool:
+    return all((path / name).is_file() for name in REQUIRED_FILES)
+
+
 class CheckpointManager:
-    def __init__(self, run_dir: str | os.PathLike):
+    def __init__(self, run_dir: str | os.PathLike, max_to_keep: int | None = None):
         self.run_dir = Path(run_dir)
+        self.max_to_keep = max_to_keep  # trainer.max_ckpt_to_keep: None = keep all
 
     def step_dir(self, step: int) -> Path:
         return self.run_dir / f"global_step_{step}"
 
+    def step_dirs(self) -> dict[int, Path]:
+        """Every global_step_N directory, complete or not, by step."""
+        if not self.run_dir.is_dir():
+            return {}
+        found = (STEP_DIR.fullmatch(p.name) for p in self.run_dir.iterdir() if p.is_dir())
+        return {int(m.group(1)): self.run_dir / m.group(0) for m in found if m}
+
+    def complete_steps(self) -> list[int]:
+        return sorted(step for step, path in self.step_dirs().items() if is_complete(path))
+
     def latest_step(self) -> int | None:
-        latest = self.run_dir / LATEST_FILE
-        if not latest.is_file():
-            return None
-        step = int(latest.read_text().strip())
-        return step if (self.step_dir(step) / STATE_FILE).is_file() else None
+        """The newest complete checkpoint's step (None if there is none); logs the newer incomplete ones skipped."""
+        dirs = self.step_dirs()
+        complete = self.complete_steps()
+        latest = complete[-1] if complete else None
+        for step in sorted(s for s in dirs if latest is None or s > latest):
+            missing = [name for name in REQUIRED_FILES if not (dirs[step] / name).is_file()]
+            logger.warning("skipping incomplete checkpoint %s (missing %s); resuming from %s", dirs[step],
+                           ", ".join(missing), "the start" if latest is None else self.step_dir(latest))
+        return latest
 
     def save(self, step: int, write_model: Callable[[Path], None], state: TrainerState, cfg: Config) -> Path:
         """Write global_step_<step>/ atomically; write_model(dir) writes the HF files (weights, config, tokenizer)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._remove_leftovers()
         final = self.step_dir(step)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=self.run_dir))
         try:
             write_model(tmp)
-            torch.save(state.__dict__, tmp / STATE_FILE)
+            fault_point("checkpoint", step)  # the fault tests kill here: weights written, state not yet
+            torch.save(dict(state.__dict__), tmp / STATE_FILE)
             save_config(cfg, str(tmp / CONFIG_FILE))
             tmp.chmod(0o755)
             _fsync_tree(tmp)
-            if final.exists():  # re-saving a step (e.g. after a resume): move the old copy out of the way first
+            if final.exists():  # re-saving a step (e.g. after resuming from an earlier one): swap the copies
+                self._point_away_from(step)
                 old = final.with_name(f".{final.name}.old-{os.getpid()}")
                 os.rename(final, old)
                 os.rename(tmp, final)
@@ -122,8 +161,35 @@ class CheckpointManager:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+        fault_point("commit", step)  # complete but not yet named by the latest-step file
         write_text_atomic(self.run_dir / LATEST_FILE, f"{step}\n")
+        self.rotate(keep=step)
         return final
+
+    def _point_away_from(self, step: int) -> None:
+        """Before global_step_<step> is swapped out: the latest-step file must not name it meanwhile."""
+        latest = self.run_dir / LATEST_FILE
+        if latest.is_file() and latest.read_text().strip() == str(step):
+            others = [s for s in self.complete_steps() if s != step]
+            if others:
+                write_text_atomic(latest, f"{others[-1]}\n")
+            else:
+                latest.unlink()
+                _fsync_dir(self.run_dir)
+
+    def rotate(self, keep: int) -> None:
+        """Delete the oldest complete checkpoints beyond max_to_keep; `keep` (the one just completed) stays."""
+        if self.max_to_keep is None:
+            return
+        old = [s for s in self.complete_steps() if s != keep]
+        for step in old[:max(len(old) - (self.max_to_keep - 1), 0)]:
+            shutil.rmtree(self.step_dir(step))
+
+    def _remove_leftovers(self) -> None:
+        """Temporary directories of saves a crash interrupted (never renamed into place)."""
+        for path in self.run_dir.glob(".global_step_*"):
+            if path.is_dir() and (".tmp-" in path.name or ".old-" in path.name):
+                shutil.rmtree(path, ignore_errors=True)
 
     def resolve_resume(self, resume: str) -> Path | None:
         """trainer.resume -> checkpoint dir to resume from, or None (start fresh)."""
@@ -133,14 +199,15 @@ class CheckpointManager:
             step = self.latest_step()
             return None if step is None else self.step_dir(step)
         path = Path(resume)
-        if not (path / STATE_FILE).is_file():
-            raise ConfigError(f"trainer.resume={resume!r}: {path} is not a tlt checkpoint (no {STATE_FILE}); "
-                              f"use 'auto', 'disable' or a global_step_N directory")
+        if not is_complete(path):
+            missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
+            raise ConfigError(f"trainer.resume={resume!r}: {path} is not a complete tlt checkpoint (missing "
+                              f"{', '.join(missing)}); use 'auto', 'disable' or a global_step_N directory")
         return path
 
 
 def load_trainer_state(path: str | os.PathLike) -> TrainerState:
-    raw = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+    raw = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
     return TrainerState(**raw)
 
 

@@ -21,7 +21,7 @@ the engine's. rollout/logprob_max_diff logs the engine's distance from the train
 
 Outputs go to <trainer.default_local_dir>/<project_name>/<experiment_name>/: metrics.jsonl (step 0 = held-out
 accuracy before training), response_lengths.jsonl, tensorboard/, global_step_N/ checkpoints (tlt.rl.checkpoint,
-with the online drafter in drafter/); trainer.resume=auto continues from the latest one exactly. At the end `tlt
+with the online drafter in drafter/); trainer.resume=auto resumes the newest complete one exactly. At the end `tlt
 train` times the final rollout with SD off and on (sd_compare.json) and writes report.html (tlt.rl.run_summary).
 With eagle SD and one rollout worker the drafter trains online in this process (tlt.drafter_train.online).
 model.path=tiny-random builds a tiny random Llama once (tlt.rl.tiny_model); model.path=null is the default
@@ -46,6 +46,7 @@ from tlt.config import Config, ConfigError, format_config, load_config
 from tlt.device import DTYPES, resolve_device
 from tlt.drafter_train.hook import DrafterHook
 from tlt.engine.outputs import RequestOutput
+from tlt.faults import fault_point
 from tlt.preflight import check_run
 from tlt.rl.actor import Actor
 from tlt.rl.advantages import compute_advantages, get_adv_estimator, groups_to_keep, keep_mask
@@ -127,7 +128,7 @@ class GRPOTrainer:
         self.device = torch.device("cuda", self.dist.local_rank) if device.type == "cuda" else device
         torch.manual_seed(t.seed)
         self.run_dir = Path(t.default_local_dir) / t.project_name / t.experiment_name
-        self.ckpt = CheckpointManager(self.run_dir)
+        self.ckpt = CheckpointManager(self.run_dir, t.max_ckpt_to_keep)
         resume_dir = self.ckpt.resolve_resume(t.resume)
         dtype = DTYPES[cfg.policy_dtype()]
 
@@ -165,6 +166,7 @@ class GRPOTrainer:
             with timer("step"):
                 self.drafter_hook.before_rollout(step)
                 rollout, outputs, step_metrics = self.collect_rollouts(step, timer)
+                fault_point("rollout", step)
                 adv = compute_advantages(rollout.scores, rollout.group_ids, cfg.algorithm)
                 batch = rollout.to_actor_batch(adv.values, self.loss_mask(rollout, adv.valid_mask),
                                                cfg.rollout.temperature, self.device)
@@ -177,18 +179,19 @@ class GRPOTrainer:
                 with timer("update_actor"):
                     step_metrics.update(self.actor.update(batch, self.num_mini_batches))
                     self.sync_rollout_weights()
+                fault_point("update", step)
                 step_metrics.update(self.logprob_diff(batch, engine_log_probs, trainer_rows))
                 with timer("drafter"):
                     step_metrics.update(self.drafter_hook.after_rollout(step, rollout, outputs))
                 if t.test_freq > 0 and self.val_examples and (step % t.test_freq == 0 or step == t.total_steps):
                     with timer("testing"):
                         step_metrics.update(self.validate())
-                if step == t.total_steps or (t.save_freq > 0 and step % t.save_freq == 0):
-                    with timer("save"):
-                        self.save_checkpoint(step)
             metrics = self.step_metrics(step_metrics, timer, rollout, adv.values)
             self.logger.log(step, metrics)
             self.logger.log_lengths(step, sum(gather(rollout.response_lengths, self.dist), []))
+            # after the step's metrics are written: a kill in between re-runs the step, never loses its row
+            if step == t.total_steps or (t.save_freq > 0 and step % t.save_freq == 0):
+                self.save_checkpoint(step)
         self.logger.close()
         self.rewards.close()  # stops the reward worker processes
         if self.rollout_engine is not self.llm:
@@ -363,7 +366,8 @@ class GRPOTrainer:
             return DrafterHook()
         from tlt.drafter_train.online import OnlineDrafterHook
         return OnlineDrafterHook(c.drafter_train, self.llm.spec, seed=c.trainer.seed + self.dist.rank,
-                                 spot=spot_training(c.drafter_train.spot, self.device, self.dist.world_size))
+                                 spot=spot_training(c.drafter_train.spot, self.device, self.dist.world_size),
+                                 save_buffer=c.trainer.save_drafter_buffer)
 
     def _fresh_drafter(self) -> str:
         """speculative.model=null with eagle: a freshly initialised drafter for this policy (trained online)."""

@@ -14,6 +14,10 @@ SpotCoordinator events and the coordinator's actions into actor calls:
   ends after `session_steps` steps too, so replicas still in their long tail get the new drafter MID-ROLLOUT (the
   engine swaps it in between decode steps; exactness does not depend on the drafter). A session whose weights
   lower held-out accuracy is rolled back on its replica and published as nothing (coordinator publish=False).
+- A replica whose generate call runs past SpotConfig.replica_timeout_s (rollout.replica_timeout_s: hung, not
+  dead) is killed and handled like a dead one (SpotReport.timed_out_replicas counts it).
+- A drafter session that raises (the replica itself alive) publishes nothing: the rollout goes on with the last
+  published drafter, the replica's training copy goes back to it, SpotReport.failed_sessions counts it.
 - An actor error (ray.kill, node loss) -> replica_died: its unfinished groups go to other replicas and are rerun
   from scratch with the same per-request seeds: samples from the same distribution (token-identical for greedy
   decoding; at temperature > 0 speculative sampling is exact in distribution, and which tokens a seed gives
@@ -29,13 +33,14 @@ starts from the published weights with its own moments).
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from tlt.drafter_train.coordinator import (Action, AssignGroups, PublishDrafter, ReplicaState, SpotCoordinator,
                                            StartTraining, StopTraining)
@@ -44,6 +49,7 @@ from tlt.models.decoder import Decoder
 from tlt.workers.rollout_worker import Group, ReplicaConfig, RolloutReplica
 from tlt.workers.spot import SpotConfig, SpotReport, SpotRolloutBase
 
+logger = logging.getLogger(__name__)
 RayReplica = ray.remote(RolloutReplica)
 
 
@@ -51,6 +57,9 @@ RayReplica = ray.remote(RolloutReplica)
 class _Step:
     """Driver-side bookkeeping of one RL step."""
     inflight: dict = field(default_factory=dict)        # ObjectRef -> (kind "gen" | "train" | "ctl", replica)
+    gen_since: dict = field(default_factory=dict)       # ObjectRef of a "gen" call -> time.monotonic() it was sent
+    timed_out: list[int] = field(default_factory=list)
+    failed_sessions: int = 0
     outputs: dict[int, RequestOutput] = field(default_factory=dict)
     harvested: dict[int, float] = field(default_factory=dict)
     accept: dict[int, float] = field(default_factory=dict)
@@ -63,10 +72,11 @@ class _Step:
 class SpotRollout(SpotRolloutBase):
     def __init__(self, model, num_replicas: int = 2, replica_cfg: ReplicaConfig | None = None,
                  spot: SpotConfig | None = None, actor_options: dict | None = None, ray_init: dict | None = None,
-                 tokenizer=None):
+                 tokenizer=None, replica_cls: type[RolloutReplica] = RolloutReplica):
         """model: HF directory (each actor loads it), or a Decoder (actors get its config, then its weights
         through the object store). actor_options: e.g. {"num_gpus": 1}; ray_init: ray.init kwargs if Ray is
-        not running yet (default: a small local instance)."""
+        not running yet (default: a small local instance); replica_cls: the actor class (a RolloutReplica
+        subclass, e.g. a fault-injecting one in tests)."""
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(**(ray_init or {"num_cpus": max(2, num_replicas), "include_dashboard": False}))
@@ -76,7 +86,8 @@ class SpotRollout(SpotRolloutBase):
         if isinstance(model, Decoder):
             weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
             model = model.cfg
-        self.actors = {r: RayReplica.options(**opts).remote(model, r, replica_cfg, tokenizer)
+        remote = RayReplica if replica_cls is RolloutReplica else ray.remote(replica_cls)
+        self.actors = {r: remote.options(**opts).remote(model, r, replica_cfg, tokenizer)
                        for r in range(num_replicas)}
         self.co = SpotCoordinator(list(self.actors), self.spot.min_train_tokens, self._trainer_tokens,
                                   train_every=self.spot.train_every)
@@ -131,13 +142,14 @@ class SpotRollout(SpotRolloutBase):
                 self._on_reply(ready[0], st)
             else:
                 self._handle(self.co.poll(), st)
+            self._check_hung(st)
         barrier = st.barrier_at or time.monotonic()
         rep = self.co.end_step()
         idle = {r.rid: barrier - r.share_done_at for r in self.co.live() if r.share_done_at is not None}
         report = SpotReport(rl_step, rep.rollout_s, idle, {r: st.harvested.get(r, 0.0) for r in self.actors},
                             rep.drafter_steps, sum(st.harvested.values()), rep.barrier_delay_s,
                             rep.barrier_delay_steps, rep.drafter_version, st.published, st.pushes, st.refused,
-                            st.accept, rep.requeued_groups, rep.dead_replicas)
+                            st.accept, rep.requeued_groups, rep.dead_replicas, st.timed_out, st.failed_sessions)
         missing = [g for g in self._work if g not in st.outputs]
         if missing:
             raise RuntimeError(f"spot rollout finished without outputs for groups {missing}")
@@ -155,12 +167,38 @@ class SpotRollout(SpotRolloutBase):
         idle = sorted(self.co.in_state(ReplicaState.IDLE), key=lambda r: r.share_done_at or 0.0)
         return self.tokens[idle[0].rid] if idle else 0
 
+    def _check_hung(self, st: _Step) -> None:
+        """A replica whose generate call outran replica_timeout_s is treated as dead (and killed: a hung actor may
+        never answer, and must not hold its groups' results back)."""
+        timeout = self.spot.replica_timeout_s
+        if timeout is None:
+            return
+        now = time.monotonic()
+        hung = {rid for ref, (kind, rid) in st.inflight.items()
+                if kind == "gen" and now - st.gen_since[ref] > timeout}
+        for rid in sorted(hung):
+            logger.warning("rollout replica %d: no reply within rollout.replica_timeout_s=%s; treated as dead, "
+                           "its groups rerun elsewhere", rid, timeout)
+            ray.kill(self.actors[rid], no_restart=True)
+            st.timed_out.append(rid)
+            self._died(rid, st)
+
     def _on_reply(self, ref, st: _Step) -> None:
         kind, rid = st.inflight.pop(ref)
+        st.gen_since.pop(ref, None)
         try:
             res = ray.get(ref)
         except RayActorError:
             self._died(rid, st)
+            return
+        except RayTaskError as e:
+            if kind != "train":
+                raise
+            # the session crashed, the replica lives: nothing is published, the rollout keeps the last drafter
+            logger.warning("drafter session on replica %d failed; keeping drafter version %d: %s", rid,
+                           self.drafter_version, e)
+            st.failed_sessions += 1
+            self._handle(self.co.training_stopped(rid, 0, publish=False), st)
             return
         if kind == "gen":
             self.tokens[rid] = res.train_tokens
@@ -181,6 +219,7 @@ class SpotRollout(SpotRolloutBase):
         for ref, (_, r) in list(st.inflight.items()):
             if r == rid:
                 del st.inflight[ref]
+                st.gen_since.pop(ref, None)
         self._handle(self.co.replica_died(rid), st)
 
     # ---- coordinator actions -> actor calls ----------------------------------------------------------------
@@ -192,6 +231,7 @@ class SpotRollout(SpotRolloutBase):
                 ref = actor.generate_groups.remote([(g, self._work[g][0]) for g in a.group_ids],
                                                    [self._work[g][1] for g in a.group_ids], self.co.step)
                 st.inflight[ref] = ("gen", a.replica)
+                st.gen_since[ref] = time.monotonic()
             elif isinstance(a, StartTraining):
                 self._sessions[a.replica] = sid = next(self._session_ids)
                 ref = actor.train_drafter.remote(self.spot.session_steps, a.rl_step, None, sid)

@@ -246,6 +246,10 @@ class RolloutReplica:
                 self._training = True
             try:
                 return self._session(max_steps, rl_step, flag, t0)
+            except Exception:  # a crashed session leaves no half-trained weights behind: back to the published
+                if self.spec is not None and self.spec.drafter is not None:
+                    self.train_copy.load_state_dict(self.spec.drafter.trainable_state_dict(), strict=False)
+                raise
             finally:
                 with self._flags_lock:
                     self._training = False

@@ -32,12 +32,14 @@ class SpotConfig:
     local_max_steps: int = 20       # LocalSpotRollout: drafter steps after each rollout
     poll_s: float = 0.5             # SpotRollout: driver wake-up interval when no actor reports
     max_concurrency: int = 4        # SpotRollout: actor threads (rollout, training, set_drafter, stop_training)
+    replica_timeout_s: float | None = None  # SpotRollout: a generate call running longer is a dead replica's
 
     @classmethod
     def from_config(cls, cfg) -> "SpotConfig":
-        """From a tlt.config.Config (section drafter_train)."""
+        """From a tlt.config.Config (sections drafter_train, rollout.replica_timeout_s)."""
         d = cfg.drafter_train
-        return cls(min_train_tokens=d.min_buffer_tokens, train_every=d.every_k_steps)
+        return cls(min_train_tokens=d.min_buffer_tokens, train_every=d.every_k_steps,
+                   replica_timeout_s=cfg.rollout.replica_timeout_s)
 
 
 @dataclass
@@ -57,6 +59,8 @@ class SpotReport:
     accept_length: dict[int, float] = field(default_factory=dict)  # per replica, llm.stats() spec_accept_length
     requeued_groups: int = 0
     dead_replicas: list[int] = field(default_factory=list)
+    timed_out_replicas: list[int] = field(default_factory=list)  # hung past replica_timeout_s (also dead)
+    failed_sessions: int = 0          # drafter sessions that raised: nothing published, rollout goes on
 
     def metrics(self, prefix: str = "spot/") -> dict[str, float]:
         """Flat float metrics for the trainer's logger."""
@@ -64,6 +68,7 @@ class SpotReport:
         out["idle_s_total"] = sum(self.idle_s.values())
         out["harvested_s_total"] = sum(self.harvested_s.values())
         out["num_dead_replicas"] = float(len(self.dead_replicas))
+        out["num_timed_out_replicas"] = float(len(self.timed_out_replicas))
         acc = [v for v in self.accept_length.values() if not math.isnan(v)]
         if acc:
             out["accept_length_mean"] = sum(acc) / len(acc)
