@@ -27,8 +27,8 @@ def test_e2e_quick_on_smoke_config(tmp_path, capsys, monkeypatch):
     assert len(result["modes"]["adaptive"]["per_step"]) == result["steps"] == 2
     assert "reward_diff_ci" in result["modes"]["adaptive"] and "step_speedup" in result["modes"]["adaptive"]
     costs = result["costs"]  # where the time goes, per mode: the trainer's phases and SD's own costs
+    assert set(costs["off"]) == set(costs["adaptive"]) == set(e2e.COSTS)
     assert costs["off"]["rollout"] > 0 and costs["off"]["verify"] is None and costs["adaptive"]["rollout"] > 0
-    assert costs["adaptive"]["copy_hidden"] is not None and costs["adaptive"]["buffer"] is not None
     assert (tmp_path / "e2e_curves.png").is_file()
 
 

@@ -274,3 +274,14 @@ def test_drafter_catch_up_with_uneven_rows_in_a_tight_cache(sharp_llama, monkeyp
     monkeypatch.setattr(SpecDecoder, "_drafter_catch_up", watched)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == ref
     assert any(overflows), "no catch-up padded past the capacity: the case under test did not occur"
+
+
+def test_sd_costs_are_reported(tiny_llama_dir):
+    """An adaptive n-gram rollout reports what its SD steps took and what plain decoding would have taken for their
+    tokens (priced once the bandit has measured an "off" step), and no drafter costs without a drafter."""
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", speculative_config={"method": "ngram", "bs_threshold": None})
+    prompts = [[3, 7, 1, 3, 7, 1, 3, 7], [5, 9, 5, 9, 5, 9], [2, 4, 6, 2, 4, 6]]
+    llm.generate(prompts, tlt.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    st = llm.stats()
+    assert st["spec_step_time_s"] > 0 and st["spec_catchup_time_s"] == 0 and st["spec_hidden_keep_time_s"] == 0
+    assert st["spec_net_saved_s"] != 0 and abs(st["spec_net_saved_s"]) < 100
