@@ -210,8 +210,8 @@ def test_bad_input_errors(tiny_llama_dir, tmp_path):
 
 
 def test_a_bad_request_queues_nothing(tiny_llama_dir):
-    """One bad request in a batch fails the call before any request is queued: the next call returns only its own
-    outputs (before, the good requests ahead of the bad one stayed queued and leaked into it)."""
+    """One bad request in a batch fails the call before any request is queued: the good requests ahead of it do not
+    stay queued, and the next call returns only its own outputs."""
     llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_model_len=32, enforce_eager=True)
     good = _prompts(3, seed=2)
     with pytest.raises(ValueError, match="request 2: prompt has 40 tokens"):

@@ -44,7 +44,9 @@ def outcome(run_root: Path, steps: int) -> dict:
     run_dir = run_root / "tlt" / "faults"
     rows: dict[int, dict] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)  # a step re-run after a kill is logged again: its last row counts
+        row = json.loads(line)
+        # a step re-run after a kill replaces its row: the resumed run drops rows past its checkpoint
+        assert row["step"] not in rows, f"step {row['step']} logged twice"
         rows[row["step"]] = {k: v for k, v in row.items() if k.startswith(DETERMINISTIC)}
     final = run_dir / f"global_step_{steps}"
     return {"metrics": rows, "policy": load_file(str(final / "model.safetensors")),
@@ -93,10 +95,20 @@ def test_fault_spec_is_checked_and_inert_without_the_variable(monkeypatch):
     assert parse_fault_spec("rollout:2, commit:10") == {("rollout", 2), ("commit", 10)}
     with pytest.raises(ValueError, match="phase:step"):
         parse_fault_spec("rolout:2")
+    kills = []  # os.kill stands in for the real thing: a wrong match must fail this test, not kill pytest
+    monkeypatch.setattr("tlt.faults.os.kill", lambda pid, sig: kills.append((phase, sig)))
     monkeypatch.delenv("TLT_FAULT_AT", raising=False)
-    fault_point("rollout", 2)  # no variable: nothing happens
+    phase = "no variable"
+    fault_point("rollout", 2)
     monkeypatch.setenv("TLT_FAULT_AT", "update:3")
-    fault_point("rollout", 3)  # another phase: nothing happens either (the kill itself is the subprocess tests')
+    phase = "another phase"
+    fault_point("rollout", 3)
+    phase = "another step"
+    fault_point("update", 2)
+    assert kills == []
+    phase = "named"
+    fault_point("update", 3)
+    assert kills == [("named", signal.SIGKILL)]
 
 
 # ---------------------------------------------------------------- checkpoints, in process
@@ -194,3 +206,14 @@ def test_drafter_checkpoint_thread_surfaces_any_failure(tmp_path):
     ckpt.wait()  # the error was raised once; a good write then succeeds
     assert load_file(str(tmp_path / "d.safetensors"))["w"].shape == (2,)
     assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_resuming_from_an_older_step_sets_the_newer_checkpoints_aside(tmp_path, cfg):
+    """After an explicit resume from step 2 of a run that reached step 5, a later resume=auto must continue the
+    resumed branch, not jump back to the abandoned step 5: the newer checkpoints are renamed (kept)."""
+    from tlt.rl.checkpoint import CheckpointManager
+    mgr = CheckpointManager(tmp_path)
+    for step in (2, 5):
+        save_fake(mgr, step, cfg)
+    assert mgr.resolve_resume(str(tmp_path / "global_step_2")) == tmp_path / "global_step_2"
+    assert mgr.latest_step() == 2 and (tmp_path / "abandoned_global_step_5" / "model.safetensors").is_file()

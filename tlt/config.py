@@ -233,7 +233,11 @@ def _validate(cfg: Config) -> None:
                           f"data.train_batch_size={d.train_batch_size}")
     if len(a.betas) != 2 or not all(0 <= b < 1 for b in a.betas):
         raise ConfigError(f"actor.betas={a.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
-    s.validate(prefix="speculative.")
+    if s.enabled:
+        s.validate(prefix="speculative.")
+        if s.seed != 0:
+            raise ConfigError(f"speculative.seed={s.seed}: a run seeds speculative decoding from trainer.seed; set "
+                              "trainer.seed instead")
     fn = cfg.reward.custom_function
     if fn is not None and (":" not in fn or not fn.rsplit(":", 1)[0].endswith(".py")):
         raise ConfigError(f"reward.custom_function={fn!r} must look like 'path/to/file.py:function_name'")

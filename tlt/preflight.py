@@ -13,16 +13,16 @@ import tempfile
 from pathlib import Path
 
 from tlt.config import Config
+from tlt.rl.tiny_model import TINY_MODEL_NAME
 from tlt.schema import UserError
 
-TINY_RANDOM = "tiny-random"  # model.path of the built-in tiny model (tlt.rl.tiny_model)
 
 
 def check_run(cfg: Config) -> None:
     """Raise UserError for the first problem found, cheapest checks first."""
     rows = {split: check_data_files(files, cfg.data.prompt_key, f"data.{split}_files")
             for split, files in (("train", cfg.data.train_files), ("val", cfg.data.val_files)) if files}
-    tokenizer = check_model_dir(cfg.model.path) if cfg.model.path not in (None, TINY_RANDOM) else None
+    tokenizer = check_model_dir(cfg.model.path) if cfg.model.path not in (None, TINY_MODEL_NAME) else None
     if tokenizer is not None:
         for split, examples in rows.items():
             check_prompt_lengths(examples, tokenizer, cfg, split)
@@ -119,7 +119,7 @@ def check_drafter_dir(path: str) -> None:
 def checkpoint_bytes(model_path: str | None) -> int:
     """About one checkpoint's size: fp32 weights and AdamW's two moments, from the model's weight files (0 when
     unknown before the default model is converted)."""
-    if model_path in (None, TINY_RANDOM) or not Path(model_path).is_dir():
+    if model_path in (None, TINY_MODEL_NAME) or not Path(model_path).is_dir():
         return 0
     files = list(Path(model_path).glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files)

@@ -7,6 +7,7 @@ the same way wherever it is written.
 """
 import copy
 import difflib
+import os
 import types
 from dataclasses import field
 from typing import Any, Literal, Union, get_args, get_origin
@@ -80,6 +81,8 @@ def coerce(value: Any, tp: Any) -> Any:
             raise TypeError
         return float(value)
     if tp is str:
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             raise TypeError
         return str(value)

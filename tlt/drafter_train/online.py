@@ -216,9 +216,9 @@ class OnlineDrafterHook(DrafterHook):
         self.trainer.generator.set_state(state["generator"])
         self.version, self.trainer.total_steps = state["version"], state["drafter_steps"]
         self.last_train = dict(state["last_train"])
-        if state["buffer"] is not None:
+        if state.get("buffer") is not None:  # left out by trainer.save_drafter_buffer=false: refills from rollouts
             self.buffer.load_state_dict(state["buffer"])
-        self.new_tokens, self.last_step = int(state["new_tokens"]), int(state["last_step"])
+        self.new_tokens, self.last_step = int(state.get("new_tokens", 0)), int(state.get("last_step", 0))
         if self.frozen is not None and state.get("frozen") is not None:  # the run's warm start, not the resumed one
             self.frozen.drafter.load_state_dict(state["frozen"], strict=False)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -203,11 +204,31 @@ class CheckpointManager:
             missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
             raise ConfigError(f"trainer.resume={resume!r}: {path} is not a complete tlt checkpoint (missing "
                               f"{', '.join(missing)}); use 'auto', 'disable' or a global_step_N directory")
+        self._set_aside_newer_than(path)
         return path
+
+    def _set_aside_newer_than(self, path: Path) -> None:
+        """Resuming this run from an older step: its newer checkpoints belong to the abandoned branch. They are
+        renamed (abandoned_global_step_N, kept), so that a later resume=auto cannot pick them up."""
+        m = STEP_DIR.fullmatch(path.name)
+        if m is None or not self.run_dir.is_dir() or path.resolve().parent != self.run_dir.resolve():
+            return
+        for step, newer in sorted(self.step_dirs().items()):
+            if step > int(m.group(1)):
+                aside = newer.with_name(f"abandoned_{newer.name}")
+                while aside.exists():
+                    aside = aside.with_name(aside.name + "_")
+                logger.warning("resuming from %s: setting the newer %s aside as %s", path, newer, aside.name)
+                os.rename(newer, aside)
 
 
 def load_trainer_state(path: str | os.PathLike) -> TrainerState:
-    raw = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+    try:
+        raw = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ConfigError(f"{Path(path) / STATE_FILE} holds objects a safe load refuses (a checkpoint of an older "
+                          f"tlt, or not tlt's): {str(e).splitlines()[0]}. Start over with trainer.resume=disable, "
+                          "or load its model.safetensors as model.path") from None
     return TrainerState(**raw)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -50,6 +51,23 @@ def _jsonable(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def drop_rows_after(path: Path, step: int) -> None:
+    """Keep only the rows of a {"step": ...} JSON-lines file up to `step` (atomically; a torn last line goes too)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if isinstance(row, dict) and row.get("step", 0) <= step:
+            kept.append(line)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
 class MetricsLogger:
     def __init__(self, cfg: TrainerConfig, run_dir: str | Path, total_steps: int, start_step: int = 0,
                  enabled: bool = True, full_config: Config | None = None):
@@ -67,6 +85,9 @@ class MetricsLogger:
         if "console" in self.sinks:
             self.bar = tqdm(total=total_steps, initial=start_step, desc="rl steps", unit="step", dynamic_ncols=True)
         if "jsonl" in self.sinks:
+            if start_step > 0:  # resuming: rows past the checkpoint belong to steps that will run again
+                for name in ("metrics.jsonl", "response_lengths.jsonl"):
+                    drop_rows_after(self.run_dir / name, start_step)
             self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
             self.lengths = open(self.run_dir / "response_lengths.jsonl", "a")
         if "tensorboard" in self.sinks:

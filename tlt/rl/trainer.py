@@ -57,12 +57,12 @@ from tlt.rl.losses import get_policy_loss
 from tlt.rl.logging import MetricsLogger, PhaseTimer, flat_numbers, reduce_metrics, rollout_metrics
 from tlt.rl.rewards import RewardManager
 from tlt.rl.rollout import ActorBatch, RolloutBatch, generate_rollouts, rollout_seed, sampling_params_for
+from tlt.rl.tiny_model import TINY_MODEL_NAME
 
 if TYPE_CHECKING:
     from tlt.models.decoder import Decoder
 
 MAX_GEN_BATCHES = 4  # DAPO dynamic sampling: rollout rounds per step before training on what was kept
-TINY_RANDOM = "tiny-random"
 DEFAULT_TRAIN_SIZE, DEFAULT_VAL_SIZE = 2048, 64  # default task files when tlt.tasks has no default_datasets()
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"  # `tlt train` with no CONFIG
 
@@ -114,6 +114,8 @@ class GRPOTrainer:
         device = config_device(cfg)
         self.cfg, self.dist = cfg, init_distributed(device.type)
         prepare_config(cfg, self.dist)
+        if self.dist.is_main:
+            print(format_config(cfg), flush=True)  # resolved: the default model, data and drafter filled in
         d, t = cfg.data, cfg.trainer
         if d.train_batch_size % self.dist.world_size:
             raise ConfigError(f"data.train_batch_size={d.train_batch_size} must be divisible by the number of "
@@ -466,7 +468,7 @@ def prepare_config(cfg: Config, info: DistInfo) -> None:
         if s.enabled and s.method == "eagle" and s.model is None:
             from tlt.drafter_train.offline import default_drafter_path  # built once (~2 min on CPU), then cached
             s.model = str(_on_main(info, lambda: default_drafter_path(cfg.model.path)))
-    elif cfg.model.path == TINY_RANDOM:
+    elif cfg.model.path == TINY_MODEL_NAME:
         from tlt.rl.tiny_model import tiny_random_model_path
         if info.is_main:
             tiny_random_model_path()
@@ -486,8 +488,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(config_path, overrides)
     trainer = GRPOTrainer(cfg)
     info = trainer.dist
-    if info.is_main:
-        print(format_config(cfg), flush=True)
     summary = trainer.fit()
     if info.is_main:
         from tlt.rl.run_summary import finish_run
