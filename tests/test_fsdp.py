@@ -12,6 +12,7 @@ from tlt.config import ActorConfig
 from tlt.models import load_model
 from tlt.rl.actor import Actor, micro_batches, split_groups
 from tlt.rl.rollout import ActorBatch
+from tlt.rl.sharded_checkpoint import export_hf, full_state_dict, load_sharded, save_sharded
 
 NUM_UPDATES = 3
 # Small micro-batches, one response a row: rank 0 runs one micro-batch a mini-batch, rank 1 two, so the idle
@@ -55,33 +56,38 @@ class LocalNormActor(Actor):
         return Actor._loss_normalisers(mask, 1)
 
 
-def train(model_dir: str, world: int = 1, rank: int = 0, local_norm: bool = False, **cfg) -> dict[str, torch.Tensor]:
-    """NUM_UPDATES actor updates (2 mini-batches each) on this rank's rows -> the full weights afterwards."""
+def train(model_dir: str, world: int = 1, rank: int = 0, local_norm: bool = False, steps=range(NUM_UPDATES),
+          load: str | None = None, save: str | None = None, **cfg) -> dict[str, torch.Tensor]:
+    """Actor updates `steps` (2 mini-batches each) on this rank's rows, after resuming from the sharded checkpoint
+    `load` and before saving one to `save` -> the full weights afterwards."""
     torch.manual_seed(0)
     model = load_model(model_dir, dtype=torch.float32, device="cpu")
     actor = (LocalNormActor if local_norm else Actor)(model, ActorConfig(**CFG, **cfg), total_steps=NUM_UPDATES)
-    for step in range(NUM_UPDATES):
+    if load:
+        load_sharded(actor, load)
+    for step in steps:
         batch = make_batch(step).rows(rank_rows(rank, world))
         actor.update(batch, num_mini_batches=2)
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in model.state_dict().items()}
+    if save:
+        save_sharded(actor, save)
+    return {k: v.detach().clone() for k, v in full_state_dict(model).items()}
 
 
-def _worker(rank: int, world: int, port: int, model_dir: str, out: str, local_norm: bool, cfg: dict) -> None:
+def _worker(rank: int, world: int, port: int, model_dir: str, out: str, kwargs: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        weights = train(model_dir, world, rank, local_norm, strategy="fsdp", **cfg)
+        weights = train(model_dir, world, rank, strategy="fsdp", **kwargs)
         if rank == 0:
             torch.save(weights, out)
     finally:
         torch.distributed.destroy_process_group()
 
 
-def train_fsdp(tmp_path, model_dir: str, world: int = 2, local_norm: bool = False, **cfg) -> dict[str, torch.Tensor]:
-    out = str(tmp_path / f"fsdp{world}_{int(local_norm)}.pt")
-    mp.spawn(_worker, args=(world, _free_port(), model_dir, out, local_norm, cfg), nprocs=world, join=True)
+def train_fsdp(tmp_path, model_dir: str, world: int = 2, **kwargs) -> dict[str, torch.Tensor]:
+    out = str(tmp_path / "fsdp_weights.pt")
+    mp.spawn(_worker, args=(world, _free_port(), model_dir, out, kwargs), nprocs=world, join=True)
     return torch.load(out)
 
 
@@ -129,3 +135,50 @@ def test_fsdp_errors_before_work(model_dir):
         Actor(model, ActorConfig(strategy="fsdp", fsdp_offload=True), total_steps=1)
     with pytest.raises(ValueError, match="actor.strategy=ddp"):
         Actor(model, ActorConfig(strategy="fsdp"), total_steps=1)
+
+
+@pytest.mark.parametrize("save_world, resume_world", [(2, 1), (1, 2)])
+def test_sharded_checkpoint_resumes_at_another_rank_count(tmp_path, model_dir, single, save_world, resume_world):
+    """Save after 1 update, resume for the other 2 at another rank count (DCP reshards): the uninterrupted
+    run's weights. The control resumes without loading (fresh AdamW state and weights): it differs."""
+    ckpt = str(tmp_path / "ckpt")
+
+    def run(world, **kwargs):
+        return train_fsdp(tmp_path, model_dir, world, **kwargs) if world > 1 else train(model_dir, **kwargs)
+    run(save_world, steps=range(1), save=ckpt)
+    resumed = run(resume_world, steps=range(1, NUM_UPDATES), load=ckpt)
+    for k in single:
+        torch.testing.assert_close(resumed[k], single[k], atol=2e-5, rtol=0, msg=k)
+    not_loaded = run(resume_world, steps=range(1, NUM_UPDATES))
+    assert _max_diff(not_loaded, single) > 1e-3
+
+
+def _export_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = load_model(model_dir)
+        actor = Actor(model, ActorConfig(**CFG, strategy="fsdp"), total_steps=1)
+        actor.update(make_batch(0).rows(rank_rows(rank, world)), num_mini_batches=1)
+        export_hf(model, out_dir, model_dir)
+        weights = full_state_dict(model)
+        if rank == 0:
+            torch.save(weights, os.path.join(out_dir, "tlt_weights.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_export_hf_from_shards_loads_in_transformers(tmp_path, model_dir):
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "export"
+    mp.spawn(_export_worker, args=(2, _free_port(), model_dir, str(out)), nprocs=2, join=True)
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ours = load_model(model_dir)
+    ours.load_state_dict(torch.load(out / "tlt_weights.pt"))
+    assert _max_diff(ours.state_dict(), load_model(model_dir).state_dict()) > 1e-4  # trained, not the start
+    ids = make_batch(0).input_ids[:2]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours.logits(ours(ids)), atol=1e-4, rtol=1e-4)
+        start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        assert not torch.allclose(start(ids).logits, hf(ids).logits, atol=1e-4)
