@@ -5,6 +5,7 @@
     tlt data [--out DIR] ...                  write reasoning-gym datasets in verl's schema
     tlt train-drafter [key=value ...]         offline drafter warm-up: sample with the target, train the drafter
     tlt bench decode|spec|e2e [...]           benchmarks (a table, then one JSON line)
+    tlt plan [CONFIG.yaml] [key=value ...]    per-device memory of a training config (exit 2 if it will not fit)
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ COMMANDS = {
     "data": ("tlt.tasks.datagen", "main"),
     "train-drafter": ("tlt.drafter_train.offline", "main"),
     "bench": ("tlt.bench", "main"),
+    "plan": ("tlt.plan", "main"),
 }
 
 
