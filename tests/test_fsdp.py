@@ -182,3 +182,10 @@ def test_export_hf_from_shards_loads_in_transformers(tmp_path, model_dir):
         torch.testing.assert_close(hf(ids).logits, ours.logits(ours(ids)), atol=1e-4, rtol=1e-4)
         start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         assert not torch.allclose(start(ids).logits, hf(ids).logits, atol=1e-4)
+
+
+def test_trainer_refuses_fsdp_before_work(tmp_path):
+    from tlt.config import ConfigError, load_config
+    from tlt.rl.trainer import GRPOTrainer
+    with pytest.raises(ConfigError, match="actor.strategy=ddp"):
+        GRPOTrainer(load_config(None, ["actor.strategy=fsdp", f"trainer.default_local_dir={tmp_path}"]))
