@@ -189,3 +189,14 @@ def test_trainer_refuses_fsdp_before_work(tmp_path):
     from tlt.rl.trainer import GRPOTrainer
     with pytest.raises(ConfigError, match="actor.strategy=ddp"):
         GRPOTrainer(load_config(None, ["actor.strategy=fsdp", f"trainer.default_local_dir={tmp_path}"]))
+
+
+def test_tied_embeddings_two_ranks_equal_one_process(tmp_path):
+    """A tied LM head (Qwen3): the embedding's gradient from the lookup and from the head (called outside the
+    root forward) both reach FSDP's reduce-scatter."""
+    from tests.conftest import make_tiny_checkpoint
+    model_dir = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", tie=True)
+    single = train(model_dir, steps=range(2))
+    sharded = train_fsdp(tmp_path, model_dir, steps=range(2))
+    for k in single:
+        torch.testing.assert_close(sharded[k], single[k], atol=2e-5, rtol=0, msg=k)

@@ -206,17 +206,15 @@ class Actor:
         # engine's packed weight copies (tlt.models.kernels) rely on them to notice an update.
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay)
-        if model.lm_head is None and self.device.type == "cpu" and not self.sharded:  # tied: the lookup's rows join the LM head's dense
-            model.embed_tokens.sparse = True                     # gradient (no [V, H] scatter; measured on CPU)
+        # Tied: the lookup's rows join the LM head's dense gradient (no [V, H] scatter; measured on CPU). FSDP
+        # reduce-scatters dense gradients only.
+        if model.lm_head is None and self.device.type == "cpu" and not self.sharded:
+            model.embed_tokens.sparse = True
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor(total_steps))
         fast_bf16 = self.device.type == "cuda" or cpu_has_fast_bf16()
         self.use_autocast = cfg.bf16_autocast and fast_bf16 and next(model.parameters()).dtype == torch.float32
         if self.sharded and fsdp.mixed_precision(cfg, self.device).param_dtype is not None:
             self.use_autocast = False  # FSDP's MixedPrecisionPolicy already computes in bf16
-
-    def shard_reference(self, model: Decoder) -> Decoder:
-        """The frozen reference model, sharded like the policy under actor.strategy=fsdp (unchanged under ddp)."""
-        return fsdp.shard_model(model, self.cfg) if self.sharded else model
 
     def _lr_factor(self, total_steps: int):
         warmup, cosine = self.cfg.warmup_steps, self.cfg.lr_scheduler == "cosine"
