@@ -5,6 +5,7 @@
     tlt data [--out DIR] ...                  write reasoning-gym datasets in verl's schema
     tlt train-drafter [key=value ...]         offline drafter warm-up: sample with the target, train the drafter
     tlt bench decode|spec|e2e [...]           benchmarks (a table, then one JSON line)
+    tlt plan [CONFIG.yaml] [key=value ...]    per-device memory of a training config (exit 2 if it will not fit)
 
 A mistake in what you gave (config key or value, data row, model or drafter directory, reward function, output
 directory) is one message naming it and saying what to do, with exit code 2; add --debug (anywhere) or set
@@ -23,6 +24,7 @@ COMMANDS = {
     "data": ("tlt.tasks.datagen", "main"),
     "train-drafter": ("tlt.drafter_train.offline", "main"),
     "bench": ("tlt.bench", "main"),
+    "plan": ("tlt.plan", "main"),
 }
 
 

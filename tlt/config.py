@@ -94,6 +94,13 @@ class ActorConfig:
                                   "each response sees the prompt and itself; exact)")
     bf16_autocast: bool = _f(True, "bf16 autocast for the policy forward/backward where bf16 is fast (GPU, "
                                    "avx512_bf16/AMX CPUs)")
+    strategy: Literal["ddp", "fsdp"] = _f("ddp", "data parallelism: ddp = full replicas, gradients all-reduced; fsdp = "
+                                                "FSDP2 shards (parameters, gradients, optimiser state split over "
+                                                "ranks; needs torch.distributed)")
+    gradient_checkpointing: bool = _f(False, "recompute each decoder layer's activations in the backward (less memory, "
+                                             "~1 more forward)")
+    fsdp_offload: bool = _f(False, "strategy=fsdp: keep parameter, gradient and optimiser shards in CPU memory "
+                                   "(FSDP2 CPUOffloadPolicy; CUDA only)")
     on_policy_logprobs: bool = _f(True, "the first mini-batch of the first epoch (the whole update when ppo_epochs=1 "
                                         "and one mini-batch) takes its old log-probs from its own forward, detached: "
                                         "the ratio is exactly 1 there and no separate old-log-prob pass runs for it "

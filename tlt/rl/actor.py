@@ -7,6 +7,10 @@ least padding (`micro_batches`); gradients accumulate over the micro-batches of 
 micro-batch loss is normalised by the token (or sequence) count of the WHOLE mini-batch summed over all
 data-parallel ranks, so the accumulated, all-reduced (summed) gradient equals the full-batch gradient whatever
 the layout, the micro-batch split or the number of ranks.
+
+actor.strategy picks how ranks share the work: ddp keeps a full replica a rank and sums gradients in one
+all-reduce; fsdp shards parameters, gradients and optimiser state with FSDP2 (tlt.rl.fsdp), which sums the
+gradients in its reduce-scatters. Both sum, so both give the full-batch gradient.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch.distributed as dist
 from tlt.config import ActorConfig
 from tlt.device import cpu_has_fast_bf16
 from tlt.models.decoder import Decoder, PackedRows
+from tlt.rl import fsdp
 from tlt.rl.losses import compute_actor_loss, entropy_from_log_probs
 from tlt.rl.rollout import ActorBatch
 
@@ -191,16 +196,25 @@ class Actor:
     def __init__(self, model: Decoder, cfg: ActorConfig, total_steps: int):
         self.model, self.cfg = model, cfg
         self.device = next(model.parameters()).device
+        self.sharded = cfg.strategy == "fsdp"
+        if cfg.gradient_checkpointing:
+            fsdp.checkpoint_layers(model)
+        if self.sharded:  # before the optimiser: it must hold the shards, not the full parameters
+            fsdp.shard_model(model, cfg)
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Not fused=True: torch's fused AdamW updates the weights without bumping their version counters, and the
         # engine's packed weight copies (tlt.models.kernels) rely on them to notice an update.
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay)
-        if model.lm_head is None and self.device.type == "cpu":  # tied: the lookup's rows join the LM head's dense
-            model.embed_tokens.sparse = True                     # gradient (no [V, H] scatter; measured on CPU)
+        # Tied: the lookup's rows join the LM head's dense gradient (no [V, H] scatter; measured on CPU). FSDP
+        # reduce-scatters dense gradients only.
+        if model.lm_head is None and self.device.type == "cpu" and not self.sharded:
+            model.embed_tokens.sparse = True
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor(total_steps))
         fast_bf16 = self.device.type == "cuda" or cpu_has_fast_bf16()
         self.use_autocast = cfg.bf16_autocast and fast_bf16 and next(model.parameters()).dtype == torch.float32
+        if self.sharded and fsdp.mixed_precision(cfg, self.device).param_dtype is not None:
+            self.use_autocast = False  # FSDP's MixedPrecisionPolicy already computes in bf16
 
     def _lr_factor(self, total_steps: int):
         warmup, cosine = self.cfg.warmup_steps, self.cfg.lr_scheduler == "cosine"
@@ -222,6 +236,8 @@ class Actor:
     def _micro(self, batch: ActorBatch, rows: list[int]) -> Iterator[tuple[list[int], ActorBatch, Layout]]:
         """(row indices into `rows`, micro-batch, its forward layout) covering `rows`: responses packed behind
         their shared prompt (actor.share_prompt), packs split by `micro_batches`."""
+        if not rows:
+            return
         sub = batch.rows(rows)
         packs = share_prompts(sub) if self.cfg.share_prompt else [[i] for i in range(len(sub))]
         plens, rlens = sub.prompt_lens.tolist(), sub.response_lens.tolist()
@@ -231,15 +247,25 @@ class Actor:
             mb = sub.rows(chunk_rows)
             yield chunk_rows, mb, pack_layout(mb, [len(packs[c]) for c in chunk])
 
+    def _num_idle(self, model: Decoder, num_micro: int) -> int:
+        """FSDP: the idle micro-batches this rank runs after its own to match the busiest rank (see tlt.rl.fsdp).
+        Agreed on before any forward: a rank must not enter this all-reduce while another is in a layer's
+        all-gather."""
+        return fsdp.max_over_ranks(num_micro) - num_micro if fsdp.is_sharded(model) else 0
+
     @torch.no_grad()
     def compute_log_probs(self, batch: ActorBatch, model: Decoder | None = None) -> torch.Tensor:
         """[N, R] log-probs of the batch's responses under `model` (default: the policy), micro-batched."""
         model = model or self.model
         out = batch.old_log_probs.new_zeros(batch.old_log_probs.shape)
+        micro = list(self._micro(batch, list(range(len(batch)))))
+        num_idle = self._num_idle(model, len(micro))
         with self.autocast():
-            for chunk, mb, layout in self._micro(batch, list(range(len(batch)))):
+            for chunk, mb, layout in micro:
                 lp = response_log_probs(model, mb, layout=layout)[0].float()
                 out[chunk, :lp.shape[1]] = lp
+            for _ in range(num_idle):
+                fsdp.idle_micro_batch(model, backward=False)
         return out
 
     def on_policy_rows(self, batch: ActorBatch, num_mini_batches: int) -> list[int]:
@@ -277,15 +303,12 @@ class Actor:
     def _optimizer_step(self, batch: ActorBatch, rows: list[int], world: int, on_policy: bool = False
                         ) -> dict[str, float]:
         mask = batch.response_mask[rows] if rows else batch.response_mask[:0]
-        # Global normalisers: tokens and non-empty sequences of this mini-batch over all ranks.
-        totals = torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64)
-        if world > 1:
-            dist.all_reduce(totals)
-        num_tokens, num_seqs = float(totals[0]), float(totals[1])
+        num_tokens, num_seqs = self._loss_normalisers(mask, world)
         self.optimizer.zero_grad(set_to_none=False)
         sums: dict[str, float] = defaultdict(float)
-        num_micro = 0
-        for chunk, mb, layout in self._micro(batch, rows) if rows else []:
+        micro = list(self._micro(batch, rows))
+        num_idle = self._num_idle(self.model, len(micro))
+        for chunk, mb, layout in micro:
             with self.autocast():
                 log_probs, entropy = response_log_probs(self.model, mb, with_entropy=True,
                                                         entropy_grad=bool(self.cfg.entropy_coeff), layout=layout)
@@ -299,18 +322,28 @@ class Actor:
             loss.backward()
             for k, v in metrics.items():
                 sums[k] += v
-            num_micro += 1
-        if world > 1:
+        for _ in range(num_idle):
+            fsdp.idle_micro_batch(self.model, backward=True)
+        if world > 1 and not self.sharded:  # FSDP has summed them in its reduce-scatters
             self._all_reduce_grads()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+        grad_norm = fsdp.grad_norm(self.params, self.cfg.grad_clip)
         # No tokens anywhere (e.g. every group dropped): no step, or Adam's momentum alone would move the weights.
         stepped = math.isfinite(grad_norm) and num_tokens > 0
         if stepped:
             self.optimizer.step()
-        out = {k: v / max(num_micro, 1) for k, v in sums.items()}
+        out = {k: v / max(len(micro), 1) for k, v in sums.items()}
         out["actor/grad_norm"] = grad_norm
         out["actor/num_skipped_steps"] = 0.0 if stepped else 1.0
         return out
+
+    @staticmethod
+    def _loss_normalisers(mask: torch.Tensor, world: int) -> tuple[float, float]:
+        """(tokens, non-empty sequences) of this mini-batch summed over all ranks: every micro-batch loss on every
+        rank divides by these, so the summed gradient is the full-batch one."""
+        totals = torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(totals)
+        return float(totals[0]), float(totals[1])
 
     def _all_reduce_grads(self) -> None:
         """Sum gradients over ranks in one flat buffer (losses are already globally normalised)."""

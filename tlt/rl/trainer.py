@@ -112,6 +112,9 @@ class GRPOTrainer:
 
         check_run(cfg)  # every input checked before any expensive work (tlt.preflight)
         device = config_device(cfg)
+        if cfg.actor.strategy == "fsdp":  # the engine decodes the policy's own parameters, which FSDP shards
+            raise ConfigError("actor.strategy=fsdp: tlt train cannot yet refresh the rollout engine from FSDP "
+                              "shards; set actor.strategy=ddp (tlt.rl.actor.Actor and `tlt plan` accept fsdp)")
         self.cfg, self.dist = cfg, init_distributed(device.type)
         prepare_config(cfg, self.dist)
         if self.dist.is_main:

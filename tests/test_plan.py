@@ -1,0 +1,73 @@
+"""tlt plan: its parameter / gradient / optimiser figures are a real run's tensor bytes; a config that will not fit
+exits 2 naming the key to change."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.multiprocessing as mp
+
+from tests.test_fsdp import CFG, _free_port, make_batch, rank_rows
+from tlt.config import ActorConfig, load_config
+from tlt.models import load_model
+from tlt.models.loader import read_config
+from tlt.plan import main, memory_plan
+from tlt.rl.actor import Actor
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def measured(model_dir: str, world: int = 1, rank: int = 0, **cfg) -> dict[str, int]:
+    """Bytes this rank holds after one update: parameter, gradient and AdamW-state shards."""
+    actor = Actor(load_model(model_dir), ActorConfig(**CFG, **cfg), total_steps=1)
+    actor.update(make_batch(0).rows(rank_rows(rank, world)), num_mini_batches=1)
+    params = list(actor.model.parameters())
+    state = [t for p in params for k, t in actor.optimizer.state[p].items() if k != "step"]
+    return {"parameters": sum(map(_local_bytes, params)), "gradients": sum(_local_bytes(p.grad) for p in params),
+            "optimizer": sum(map(_local_bytes, state))}
+
+
+def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        sizes = measured(model_dir, world, rank, strategy="fsdp")
+        if rank == 0:  # rank 0 holds the largest shards (dim 0 split in ceil-sized rows)
+            torch.save(sizes, out)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _plan(model_dir: str, world: int, strategy: str):
+    cfg = load_config(None, [f"model.path={model_dir}", f"actor.strategy={strategy}", "actor.bf16_autocast=false"])
+    return memory_plan(cfg, read_config(model_dir), world)
+
+
+def test_plan_matches_measured_tensor_bytes(tmp_path, tiny_llama_dir):
+    ddp = measured(tiny_llama_dir)
+    out = str(tmp_path / "sizes.pt")
+    mp.spawn(_worker, args=(2, _free_port(), tiny_llama_dir, out), nprocs=2, join=True)
+    fsdp = torch.load(out)
+    for strategy, world, real in (("ddp", 1, ddp), ("fsdp", 2, fsdp)):
+        plan = _plan(tiny_llama_dir, world, strategy)
+        for name, size in real.items():
+            assert abs(plan.bytes(name) - size) <= 0.1 * size, (strategy, name, plan.bytes(name), size)
+    # control: sharding halves the figures, so the DDP plan does not match the FSDP run
+    assert _plan(tiny_llama_dir, 1, "ddp").bytes("parameters") > 1.5 * fsdp["parameters"]
+
+
+def test_plan_fails_early_naming_the_key(capsys, tiny_llama_dir):
+    args = [f"model.path={tiny_llama_dir}", "--device-memory", "64GiB"]
+    assert main(args) == 0
+    assert "parameters" in capsys.readouterr().out
+    assert main(args[:1] + ["--device-memory", "1MiB"]) == 2
+    assert "actor.ppo_max_token_len" in capsys.readouterr().err
+    # the biggest part names its key: a huge KV cache names rollout.max_num_seqs
+    assert main(args[:1] + ["rollout.max_num_seqs=100000", "--device-memory", "1GiB"]) == 2
+    assert "rollout.max_num_seqs" in capsys.readouterr().err
+    assert main(args[:1] + ["--device-memory", "lots"]) == 2
+    assert "80GiB" in capsys.readouterr().err

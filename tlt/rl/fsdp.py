@@ -1,0 +1,90 @@
+"""Sharded data parallelism with PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`), for actor.strategy=fsdp.
+
+Each decoder layer is one FSDP unit, then the root (embedding, final norm, LM head): parameters, gradients and
+AdamW's state live as DTensor shards, one 1/world slice a rank; a layer's full weights exist only while its
+forward or backward runs. Gradients are reduce-scattered as SUMS (not FSDP's default mean): the actor's losses are
+already normalised by whole-mini-batch counts over all ranks (tlt.rl.actor), so summing gives the full-batch
+gradient, exactly as the DDP path's all-reduce does.
+
+Every FSDP forward runs collectives (all-gathers), so every rank must run the same number of forwards and
+backwards: a rank with fewer micro-batches runs `idle_micro_batch`, a one-token forward whose loss is multiplied by
+zero (it adds nothing to the gradient but takes part in the collectives).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from tlt.config import ActorConfig
+from tlt.models.decoder import Decoder
+
+
+def mixed_precision(cfg: ActorConfig, device: torch.device) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 gradient reduction where the config asks for bf16 and the device is a GPU; fp32
+    otherwise (CPU: FSDP's bf16 all-gather casts are slow there and tests compare to fp32 tolerance)."""
+    if cfg.bf16_autocast and device.type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def checkpoint_layers(model: Decoder) -> None:
+    """Activation checkpointing per decoder layer (recompute its forward in the backward): the composable API
+    keeps the module tree and state-dict names unchanged and composes with fully_shard."""
+    from torch.distributed._composable import checkpoint
+    for layer in model.layers:
+        checkpoint(layer)
+
+
+def shard_model(model: Decoder, cfg: ActorConfig) -> Decoder:
+    """Shard `model` in place (each decoder layer, then the root) over the default process group."""
+    device = next(model.parameters()).device
+    if cfg.fsdp_offload and device.type != "cuda":
+        raise ValueError("actor.fsdp_offload=true needs a CUDA device (FSDP's CPU offload pins host memory for "
+                         f"copies to the GPU); the model is on {device.type}: set actor.fsdp_offload=false")
+    if not dist.is_initialized():
+        raise ValueError("actor.strategy=fsdp needs torch.distributed initialised (torchrun, or RANK / WORLD_SIZE / "
+                         "MASTER_ADDR / MASTER_PORT set); for one process set actor.strategy=ddp")
+    kwargs = dict(mp_policy=mixed_precision(cfg, device))
+    if cfg.fsdp_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Sum, not mean, over ranks (losses are globally normalised); force plain SUM collectives: gloo has no
+            # PREMUL_SUM, and a divide factor of 1 is exact anyway.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def max_over_ranks(n: int) -> int:
+    t = torch.tensor([n], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+def idle_micro_batch(model: Decoder, backward: bool) -> None:
+    """A forward (and backward) through every sharded unit contributing nothing: keeps this rank's collectives in
+    step with ranks that have more micro-batches."""
+    device = next(model.parameters()).device
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    with torch.set_grad_enabled(backward):
+        out = model.logits(model(ids)).sum() * 0.0
+        if backward:
+            out.backward()
+
+
+def grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """clip_grad_norm_ over (possibly sharded) parameters -> the global norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):  # DTensor: the norm over all shards, replicated
+        norm = norm.full_tensor()
+    return float(norm)
