@@ -85,9 +85,9 @@ class MetricsLogger:
         if "console" in self.sinks:
             self.bar = tqdm(total=total_steps, initial=start_step, desc="rl steps", unit="step", dynamic_ncols=True)
         if "jsonl" in self.sinks:
-            if start_step > 0:  # resuming: rows past the checkpoint belong to steps that will run again
+            if cfg.resume != "disable":  # rows past the checkpoint (all, without one) belong to steps run again
                 for name in ("metrics.jsonl", "response_lengths.jsonl"):
-                    drop_rows_after(self.run_dir / name, start_step)
+                    drop_rows_after(self.run_dir / name, start_step if start_step > 0 else -1)
             self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
             self.lengths = open(self.run_dir / "response_lengths.jsonl", "a")
         if "tensorboard" in self.sinks:
