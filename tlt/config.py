@@ -130,7 +130,7 @@ class DrafterTrainConfig:
     enabled: bool = _f(True, "train the drafter online on idle rollout workers")
     lr: float = _f(3e-4, "drafter learning rate", ge=0)
     every_k_steps: int = _f(1, "train the drafter every k RL steps", ge=1)
-    min_buffer_tokens: int = _f(4096, "buffered tokens needed before a training session starts", ge=0)
+    min_buffer_tokens: int = _f(4096, "buffered tokens needed before the drafter trains", ge=0)
     buffer_max_tokens: int = _f(2_000_000, "FIFO cap of the hidden-state buffer, in tokens", ge=1)
     window_len: int = _f(512, "training window length over long responses", ge=1)
     batch_tokens: int = _f(8192, "tokens per packed drafter batch", ge=1)

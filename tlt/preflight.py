@@ -54,7 +54,7 @@ def check_model_dir(path: str):
     """An HF model directory tlt can load: config.json of a supported architecture, safetensors weights, and a
     tokenizer. Returns the tokenizer (cheap to load), or None for a directory without tokenizer files."""
     from tlt.models.config import ModelConfig
-    from tlt.models.loader import _weight_files, load_tokenizer
+    from tlt.models.loader import weight_files, load_tokenizer
     where = Path(path)
     fix = "set model.path to an HF model directory (config.json + *.safetensors), or null for the default model"
     if not where.is_dir():
@@ -62,7 +62,7 @@ def check_model_dir(path: str):
     try:
         hf = json.loads((where / "config.json").read_text())
         ModelConfig.from_hf(hf)
-        _weight_files(where)
+        weight_files(where)
     except FileNotFoundError as e:
         raise UserError(f"model.path: {e}") from None
     except json.JSONDecodeError as e:
@@ -84,9 +84,9 @@ def check_model_dir(path: str):
 def check_prompt_lengths(examples: list, tokenizer, cfg: Config, split: str) -> None:
     """Prompts over data.max_prompt_length: dropped and counted when data.filter_overlong_prompts, else an error;
     an error too when nothing would be left."""
-    from tlt.rl.data import _chat_ids
+    from tlt.rl.data import chat_ids
     d = cfg.data
-    too_long = [ex for ex in examples if len(_chat_ids(tokenizer, ex.messages)) > d.max_prompt_length]
+    too_long = [ex for ex in examples if len(chat_ids(tokenizer, ex.messages)) > d.max_prompt_length]
     if too_long and not d.filter_overlong_prompts:
         raise UserError(f"data.{split}_files: {len(too_long)} of {len(examples)} prompts are longer than "
                         f"data.max_prompt_length={d.max_prompt_length} tokens (the first is row index "

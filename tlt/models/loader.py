@@ -27,7 +27,7 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -93,7 +93,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     path = Path(path)
     cfg = read_config(path)
     hf: dict[str, torch.Tensor] = {}
-    for f in _weight_files(path):
+    for f in weight_files(path):
         with safe_open(str(f), framework="pt") as fh:
             for k in fh.keys():
                 hf[k] = fh.get_tensor(k)

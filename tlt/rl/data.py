@@ -116,7 +116,7 @@ def _parse_row(row: Any, index: int, prompt_key: str) -> PromptExample:
 # ---------------------------------------------------------------- tokenising
 
 
-def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """Prompt token ids via the chat template; plain text when the tokenizer has no template (base models)."""
     if getattr(tokenizer, "chat_template", None) is None:
         text = "\n".join(m["content"] for m in messages)
@@ -151,7 +151,7 @@ def load_examples(paths: list[str], tokenizer: Any, prompt_key: str = "prompt", 
                 raise DataError(f"{path}, row {row_num}: {msg}") from None
             index += 1
             if tokenizer is not None:
-                ex.prompt_ids = _chat_ids(tokenizer, ex.messages)
+                ex.prompt_ids = chat_ids(tokenizer, ex.messages)
                 if filter_overlong_prompts and len(ex.prompt_ids) > max_prompt_length:
                     num_filtered += 1
                     continue
