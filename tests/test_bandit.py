@@ -98,12 +98,13 @@ def test_off_is_kept_on_a_tie():
 
 
 def test_dominated_arms_are_explored_rarely():
-    """Once every SD arm is known to lose by > margin, exploration mostly re-tries the live arms only; the
+    """(Bucket closing off: it would stop all exploration here; tested below.) Once every SD arm is known to lose
+    by > margin, exploration mostly re-tries the live arms only; the
     paper's uniform exploration (recheck=1) spends ~epsilon of the steps on losing arms."""
     table = [OFF] + [Arm(f"chain{d}", "eagle_chain", d, 1, d) for d in (2, 3, 4, 5, 6)]
 
     def non_off_share(recheck):
-        bandit = _one_bucket(table, epsilon=0.1, recheck=recheck, window=10**6)  # a window this long: no decay
+        bandit = _one_bucket(table, epsilon=0.1, recheck=recheck, window=10**6, close=False)  # no decay; open
         chosen = []
         for _ in range(4000):
             arm = bandit.select(1)
@@ -122,7 +123,7 @@ def test_far_behind_arms_are_skipped_after_one_step():
     table = [OFF] + [Arm(f"chain{d}", "eagle_chain", d, 1, d) for d in (2, 3, 4, 5, 6)]
 
     def sd_steps(far):
-        bandit = _one_bucket(table, epsilon=0.3, far=far, min_samples=5)
+        bandit = _one_bucket(table, epsilon=0.3, far=far, min_samples=5, close=False)
         n = 0
         for _ in range(120):
             arm = bandit.select(1)
@@ -155,7 +156,7 @@ def test_forget_keeps_a_short_prior_that_new_steps_outweigh():
     the old window of 300 would have held the old estimate. Control: without forget, the same new steps barely
     move it."""
     def run(do_forget):
-        bandit = _one_bucket([OFF, CHAIN], epsilon=0.0, min_samples=5)
+        bandit = _one_bucket([OFF, CHAIN], epsilon=0.0, min_samples=5, close=False)
         for arm in (OFF, CHAIN):
             assert bandit.select(1) is arm
             bandit.update(1, arm, 1.0, 1.0)
@@ -205,7 +206,7 @@ def test_exploration_decays_and_restarts_on_forget():
     near = Arm("ngram4", "ngram", 4, 1, 4)
 
     def shares(window):
-        bandit = _one_bucket([OFF, near], epsilon=0.2, window=window)
+        bandit = _one_bucket([OFF, near], epsilon=0.2, window=window, close=False)
         chosen = []
         for step in range(6000):
             if step == 4000:
@@ -247,3 +248,46 @@ def test_plain_seconds_prices_sd_tokens_at_plain_decodings_step_time():
     assert b.plain_seconds(4, 8) == pytest.approx(8 / 4 * 0.1)
     assert b.plain_seconds(2, 6) == pytest.approx(6 / 2 * 0.1)  # nearest measured batch size in the bucket
     assert b.plain_seconds(20, 20) is None  # another bucket, nothing measured there
+
+
+def test_a_bucket_where_sd_loses_closes_and_a_new_drafter_reopens_it():
+    """SD arms at 0.8x of plain decoding: once each has min_samples steps and the ledger is negative, the bucket
+    closes: no SD step at all (no exploration, no rechecks) and no hidden-state capture. forget() (a published
+    drafter) reopens it. Control: with close=False the same bandit keeps spending steps on SD."""
+    table = [OFF, Arm("chain2", "eagle_chain", 2, 1, 2), Arm("ngram4", "ngram", 4, 1, 4)]
+
+    def run(close):
+        bandit = _one_bucket(table, epsilon=0.2, close=close, min_samples=5)
+        late_sd = 0
+        for step in range(3000):
+            arm = bandit.select(1)
+            bandit.update(1, arm, 1.0 if arm is OFF else 0.8, 1.0)
+            late_sd += step >= 500 and arm is not OFF
+        return bandit, late_sd
+
+    bandit, late_sd = run(close=True)
+    assert bandit.closed_buckets() == ["bs>=1"] and late_sd == 0 and not bandit.capturing(7)
+    bandit.forget()
+    assert bandit.closed_buckets() == [] and bandit.capturing(7)
+    _, late_sd_open = run(close=False)
+    assert late_sd_open >= 5  # control: exploration and rechecks go on (decayed, never zero)
+
+
+def test_a_bucket_where_sd_pays_never_closes_and_charges_can_close_one():
+    """A chain at 1.3x stays the choice and its bucket stays open. The same chain at 1.02x (a tie: "off" is kept)
+    with SD steps that saved time is not closed while the ledger is positive; charging the capture's seconds to the
+    bucket turns the ledger negative, and then it closes."""
+    chain = Arm("chain2", "eagle_chain", 2, 1, 2)
+    bandit = _one_bucket([OFF, chain], epsilon=0.1, min_samples=5)
+    for _ in range(500):
+        arm = bandit.select(1)
+        bandit.update(1, arm, 1.0 if arm is OFF else 1.3, 1.0)
+    assert bandit.best(1) is chain and not bandit.closed_buckets()
+
+    tie = _one_bucket([OFF, chain], epsilon=0.0, min_samples=5)
+    tie.update(1, OFF, 1.0, 1.0)
+    for _ in range(5):
+        tie.update(1, chain, 1.02, 1.0)
+    assert tie.best(1) is OFF and tie.ledger_sum[0] > 0 and not tie.closed_buckets()
+    tie.charge(1, 0.2)
+    assert tie.ledger_sum[0] < 0 and tie.closed_buckets() == ["bs>=1"]

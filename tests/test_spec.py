@@ -284,3 +284,38 @@ def test_sd_costs_are_reported(tiny_llama_dir):
     st = llm.stats()
     assert st["spec_step_time_s"] > 0 and st["spec_catchup_time_s"] == 0 and st["spec_hidden_keep_time_s"] == 0
     assert st["spec_net_saved_s"] != 0 and abs(st["spec_net_saved_s"]) < 100
+
+
+def test_a_closed_bucket_keeps_no_hidden_states_and_a_new_drafter_resumes_the_capture(sharp_llama):
+    """Buckets closed mid-rollout (SD did not pay there): the steps that follow keep no hidden states, neither for
+    drafting nor as drafter data; a published drafter reopens them and the capture resumes. The tokens are plain
+    decoding's (seeded, fp32), and the states kept after the gap are the ones a full capture keeps, from the
+    token where it resumed (CompletionOutput.hidden_start). Control: never closed, every state is kept."""
+    model, drafter_dir = sharp_llama
+    prompts = _prompts(128, n=3, seed=5)
+    p = tlt.SamplingParams(temperature=0.8, max_tokens=30, seed=9, return_hidden_states=True, ignore_eos=True)
+    plain = tlt.LLM(model).generate(prompts, p)
+
+    def run(close_at, reopen_at):  # closed by hand here (the rule that closes them: tests/test_bandit.py)
+        llm = tlt.LLM(model, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=None,
+                                                     close_buckets=False))
+        requests = [llm.engine.add_request(x, p) for x in prompts]
+        steps = 0
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+            steps += 1
+            if steps == close_at:
+                llm.spec.bandit.closed = [True] * len(llm.spec.bandit.closed)
+            if steps == reopen_at:
+                llm.spec.load_drafter_state(llm.spec.drafter.trainable_state_dict())  # a publish reopens
+        return [llm._request_output(seqs, x).outputs[0] for seqs, x in zip(requests, prompts)], llm
+
+    gap, llm = run(close_at=4, reopen_at=12)
+    full, _ = run(close_at=-1, reopen_at=-1)
+    for g, f, ref in zip(gap, full, plain):
+        assert g.token_ids == f.token_ids == ref.outputs[0].token_ids  # exact with or without the capture
+        assert f.hidden_start == 0 and f.hidden_states.shape[0] == len(f.token_ids)  # control: all kept
+        assert 0 < g.hidden_start < len(g.token_ids)
+        assert g.hidden_states.shape[0] == len(g.token_ids) - g.hidden_start
+        assert torch.equal(g.hidden_states, f.hidden_states[g.hidden_start:])
+    assert llm.spec.stats()["spec_closed_buckets"] == 0  # reopened by the publish

@@ -111,7 +111,7 @@ class LLM:
             text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True) if self.tokenizer else ""
             hidden = torch.stack(s.hidden) if s.hidden else None
             outs.append(CompletionOutput(s.sample_index, text, s.output_ids, s.logprobs, s.finish_reason,
-                                         float(sum(s.logprobs)), hidden))
+                                         float(sum(s.logprobs)), hidden, s.hidden_start))
         return RequestOutput(seqs[0].request_id, None, prompt_ids, outs, seqs[0].group_id)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, **kw) -> list[RequestOutput]:

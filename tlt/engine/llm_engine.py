@@ -192,18 +192,27 @@ class LLMEngine:
         """Append emitted tokens per sequence (one, or several under speculation), applying stop rules in order.
         hidden: per sequence a [k, H] tensor of the states that produced its k tokens (or None)."""
         done = []
+        if self.spec is not None and not self.spec.capturing(len(seqs)):
+            hidden = None  # the speculator's bucket is closed: no drafter data from this step (docs/design.md §6)
         if hidden is not None and any(s.params.return_hidden_states for s in seqs):
             t0 = time.perf_counter()
             hidden = [h.to("cpu", torch.bfloat16) for h in hidden]  # host copy once, bf16 (drafter data)
-            self.stats.hidden_copy_time_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.stats.hidden_copy_time_s += dt
+            if self.spec is not None:
+                self.spec.charge_capture(len(seqs), dt)
         for i, (seq, toks, lps) in enumerate(zip(seqs, tokens, logprobs)):
             p = seq.params
             before = len(seq.output_ids)
             for j, (tok, lp) in enumerate(zip(toks, lps)):
                 seq.output_ids.append(tok)
                 seq.logprobs.append(lp)
-                if p.return_hidden_states and hidden is not None:
-                    seq.hidden.append(hidden[i][j])
+                if p.return_hidden_states:
+                    if hidden is not None:
+                        seq.hidden.append(hidden[i][j])
+                    else:  # a gap: the kept states restart after this token (one contiguous run)
+                        seq.hidden.clear()
+                        seq.hidden_start = len(seq.output_ids)
                 self.stats.num_generated_tokens += 1
                 if (tok in self.eos_token_ids and not p.ignore_eos) or (p.stop_token_ids and tok in p.stop_token_ids):
                     seq.finish_reason = "stop"

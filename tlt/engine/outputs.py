@@ -14,7 +14,9 @@ class CompletionOutput:
     logprobs: list[float]            # target log-prob of each sampled token (softmax(logits / T))
     finish_reason: str               # "stop" | "length"
     cumulative_logprob: float = 0.0
-    hidden_states: torch.Tensor | None = None  # [len(token_ids), H] bf16: state that produced each token
+    hidden_states: torch.Tensor | None = None  # [len(token_ids) - hidden_start, H] bf16: state that produced each
+                                               # token from hidden_start on
+    hidden_start: int = 0            # first token with a kept state (> 0 where the speculator stopped the capture)
 
 
 @dataclass

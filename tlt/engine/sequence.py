@@ -26,7 +26,8 @@ class Sequence:
     generator: torch.Generator        # this sample's own RNG: seeded requests reproduce in any batch
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    hidden: list[torch.Tensor] = field(default_factory=list)  # [H] per output token, when kept
+    hidden: list[torch.Tensor] = field(default_factory=list)  # [H] per output token from hidden_start on, when kept
+    hidden_start: int = 0             # output index of hidden[0]: the speculator may stop and resume the capture
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length"
     slot: int = -1                    # KV-cache slot while running

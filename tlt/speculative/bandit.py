@@ -33,6 +33,12 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
 - Exploration decays: a bucket explores with probability epsilon * window / (window + n), n = its steps since the
   last `forget`. An arm just inside the margin (an n-gram arm at 0.85-0.9x of "off", say) is otherwise explored on
   a steady share of the steps forever; a new drafter restarts the count, since that is when arms change.
+- A bucket closes when SD has not paid there (docs/design.md §6, "closing"): every arm tried, "off" the greedy
+  choice, and the bucket's ledger negative: the seconds its SD steps saved against plain decoding, minus the seconds
+  spent there keeping hidden states for the drafter (`charge`), over the last `window` steps. A closed bucket
+  decodes plainly without exploring, and its steps keep no hidden states (`capturing`). A new drafter (`forget`)
+  reopens every bucket. Without closing, exploration and the rechecks of dominated arms cost a steady share of SD
+  steps that lose, and the capture costs every step, in buckets where SD never pays.
 """
 from __future__ import annotations
 
@@ -95,7 +101,8 @@ def default_arm_table(device: str = "cpu") -> tuple[list[float], list[list[Arm]]
 class StrategyBandit:
     def __init__(self, bucket_bounds: Sequence[float] | None = None, arms: Sequence[Sequence[Arm]] | None = None,
                  epsilon: float = 0.1, window: int = 300, seed: int = 0, min_gain: float = 0.03,
-                 margin: float = 0.15, min_samples: int = 5, recheck: float = 0.1, far: float = 0.5):
+                 margin: float = 0.15, min_samples: int = 5, recheck: float = 0.1, far: float = 0.5,
+                 close: bool = True):
         if bucket_bounds is None and arms is None:
             bucket_bounds, arms = default_arm_table("cpu")
         if bucket_bounds is None or arms is None or len(bucket_bounds) != len(arms):
@@ -109,7 +116,7 @@ class StrategyBandit:
         self.bounds, self.arms = list(bucket_bounds), [list(a) for a in arms]
         self.epsilon, self.window = epsilon, window
         self.min_gain, self.margin, self.min_samples, self.recheck = min_gain, margin, min_samples, recheck
-        self.far = far
+        self.far, self.close = far, close
         self.rng = random.Random(seed)
         # per bucket and arm: the last `window` steps as (tokens, seconds), and their running sums [tokens, seconds]
         # (select() runs every SD decode step: the estimate is O(1), not a pass over the window)
@@ -118,6 +125,12 @@ class StrategyBandit:
         self.off_step_s: list[dict[int, float]] = [{} for _ in self.arms]  # per bucket: bs -> mean "off" step s
         self.counts = [Counter() for _ in self.arms]   # choices per bucket and arm
         self.since_forget = [0 for _ in self.arms]     # choices per bucket since the last forget (decays epsilon)
+        # per bucket, the ledger of the last `window` steps: seconds SD saved (plain seconds - seconds; "off" steps
+        # add 0) minus seconds charged for keeping hidden states; and its running sum
+        self.ledger = [deque(maxlen=window) for _ in self.arms]
+        self.ledger_sum = [0.0 for _ in self.arms]
+        self.closed = [False for _ in self.arms]
+        self.sd_since_open = [0 for _ in self.arms]    # SD steps recorded per bucket since it (re)opened
 
     def bucket(self, batch_size: int) -> int:
         return next(i for i, hi in enumerate(self.bounds) if batch_size <= hi)
@@ -126,7 +139,9 @@ class StrategyBandit:
         b = self.bucket(batch_size)
         arms = self.arms[b]
         untried = self._untried(b)
-        if untried:
+        if self.closed[b]:  # closed only where "off" is the greedy choice
+            arm = self._best(b)
+        elif untried:
             arm = untried[0]
         elif self.rng.random() < self.epsilon * self.window / (self.window + self.since_forget[b]):
             best = self._best(b)
@@ -163,6 +178,45 @@ class StrategyBandit:
         steps.append((float(tokens), float(seconds)))
         total[0] += float(tokens)
         total[1] += float(seconds)
+        self.sd_since_open[b] += arm.method != "off"
+        self._book(b, 0.0 if arm.method == "off" else float(tokens) - float(seconds))
+
+    def charge(self, batch_size: int, seconds: float) -> None:
+        """Book `seconds` spent at `batch_size` on the machinery SD needs on every step (keeping the target's
+        hidden states for the drafter) against its bucket's ledger."""
+        b = self.bucket(batch_size)
+        if self.ledger[b]:
+            self.ledger_sum[b] -= seconds
+            self.ledger[b][-1] -= seconds
+        else:
+            self._book(b, -seconds)
+        self._update_closed(b)
+
+    def _book(self, b: int, net: float) -> None:
+        led = self.ledger[b]
+        if len(led) == led.maxlen:
+            self.ledger_sum[b] -= led[0]
+        led.append(net)
+        self.ledger_sum[b] += net
+        self._update_closed(b)
+
+    def _update_closed(self, b: int) -> None:
+        """Close the bucket once SD has lost time there (ledger < 0) and the evidence says it will go on losing: an
+        SD step since the bucket (re)opened (a new drafter gets its try), "off" the greedy choice, and every SD arm
+        with `min_samples` steps or below `far` times "off"."""
+        if not self.close or self.closed[b] or self.ledger_sum[b] >= 0 or not self.sd_since_open[b]:
+            return
+        best = self._best(b)
+        if best.method != "off":
+            return
+        off = self.estimate(b, best.name)
+        self.closed[b] = all(len(self.steps[b][a.name]) >= self.min_samples
+                             or (self.steps[b][a.name] and self.estimate(b, a.name) < self.far * off)
+                             for a in self.arms[b] if a.method != "off")
+
+    def capturing(self, batch_size: int) -> bool:
+        """Whether steps at this batch size should keep hidden states for the drafter (no: its bucket is closed)."""
+        return not self.closed[self.bucket(batch_size)]
 
     def _drop_oldest(self, b: int, name: str) -> None:
         tokens, seconds = self.steps[b][name].popleft()
@@ -176,6 +230,10 @@ class StrategyBandit:
         keep = self.min_samples if keep is None else keep
         for b, bucket in enumerate(self.arms):
             self.since_forget[b] = 0
+            self.closed[b] = False  # the new drafter gets its chance; the ledger restarts
+            self.sd_since_open[b] = 0
+            self.ledger[b].clear()
+            self.ledger_sum[b] = 0.0
             for a in bucket:
                 if a.method not in methods:
                     continue
@@ -225,6 +283,9 @@ class StrategyBandit:
         lo = 1 if b == 0 else int(self.bounds[b - 1]) + 1
         hi = self.bounds[b]
         return f"bs>={lo}" if hi == math.inf else (f"bs{lo}" if lo == hi else f"bs{lo}-{int(hi)}")
+
+    def closed_buckets(self) -> list[str]:
+        return [self.bucket_name(b) for b, c in enumerate(self.closed) if c]
 
     def stats(self) -> dict[str, dict[str, dict[str, float]]]:
         """{bucket: {arm: {"count", "speed_vs_off"}}} for logging."""

@@ -29,7 +29,11 @@ class SpecConfig:
     device_profile: Literal["auto", "cpu", "gpu"] = option(
         "auto", "arm table: cpu (small verify budgets) or gpu (larger trees); auto = by the engine's device")
     epsilon: float = option(0.1, "bandit exploration probability", ge=0, le=1)
-    window: int = option(300, "bandit sliding window (steps) for each arm's median tokens/s", ge=1)
+    window: int = option(300, "bandit sliding window (steps) for each arm's tokens/s estimate", ge=1)
+    close_buckets: bool = option(True, "a batch-size bucket where SD lost time (net of the hidden-state capture) and "
+                                       "plain decoding is the bandit's choice decodes plainly, without exploring "
+                                       "or capturing hidden states, until a new drafter is published "
+                                       "(docs/design.md §6)")
     acceptance: Literal["invariant", "rejection"] = option(
         "invariant", "invariant = deterministic drafts, the target's own draw accepted when a draft holds it (a "
                      "seeded request samples the same tokens with SD on or off); rejection = chain drafts sampled "

@@ -43,12 +43,14 @@ class SpecDecoder:
         self.drafter = drafter.attach(self.model).to(engine.device, engine.dtype).eval() if drafter else None
         self.ngram = NgramDrafter(max_n=cfg.ngram_max_n, min_n=cfg.ngram_min_n)
         bounds, arms = cfg.arm_table(has_drafter=drafter is not None, device_type=engine.device.type)
-        self.bandit = StrategyBandit(bounds, arms, epsilon=cfg.epsilon, window=cfg.window, seed=cfg.seed)
+        self.bandit = StrategyBandit(bounds, arms, epsilon=cfg.epsilon, window=cfg.window, seed=cfg.seed,
+                                     close=cfg.close_buckets)
         self.dcache = KVCache(self.model.cfg, engine.num_slots, engine.dtype, engine.device, num_layers=1) \
             if drafter else None
         self.hist: dict[int, torch.Tensor] = {}   # seq_id -> [max_total_len, H] target hidden h_t per position
         self.dcached: dict[int, int] = {}         # seq_id -> committed drafter-cache entries (positions 1..n)
         self.low_steps = 0
+        self._speculating = False  # inside an SD step, whose measured time already includes its capture
         self.drafter_version = 0
         self.reset_stats()
         engine.attach_speculator(self, slot_caches=(self.dcache,) if self.dcache is not None else ())
@@ -93,6 +95,8 @@ class SpecDecoder:
             "spec_catchup_time_s": s["catchup_time_s"], "spec_hidden_keep_time_s": s["hist_time_s"],
             "spec_step_time_s": s["sd_step_time_s"], "spec_net_saved_s": s["plain_equiv_s"] - s["sd_step_time_s"],
             "decode_time_bulk_s": s["bulk_time_s"], "decode_time_tail_s": s["tail_time_s"],
+            # buckets where SD did not pay: plain decoding without exploration or capture until a new drafter
+            "spec_closed_buckets": len(self.bandit.closed_buckets()),
         }
 
     def record_decode_time(self, seconds: float) -> None:
@@ -108,18 +112,32 @@ class SpecDecoder:
             return
         t0 = time.perf_counter()
         for i, s in enumerate(seqs):
-            h = torch.empty(s.max_total_len + self.cfg.max_draft_len() + 1, hidden.shape[-1], dtype=hidden.dtype,
+            # zeros: positions decoded while their bucket was closed keep no state, and the drafter reads zeros there
+            h = torch.zeros(s.max_total_len + self.cfg.max_draft_len() + 1, hidden.shape[-1], dtype=hidden.dtype,
                             device=hidden.device)
             h[:len(s.prompt_ids)] = hidden[i, :len(s.prompt_ids)]
             self.hist[s.seq_id], self.dcached[s.seq_id] = h, 0
         self.st["hist_time_s"] += time.perf_counter() - t0
 
     def on_plain_decode(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
-        if self.drafter is not None:  # keep h_t so that turning SD on costs only a drafter extend
+        # keep h_t so that turning SD on costs only a drafter extend; not in a closed bucket (docs/design.md §6)
+        if self.drafter is not None and self.capturing(len(seqs)):
             t0 = time.perf_counter()
             for i, s in enumerate(seqs):
                 self.hist[s.seq_id][s.num_cached - 1] = hidden[i]
-            self.st["hist_time_s"] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.st["hist_time_s"] += dt
+            self.charge_capture(len(seqs), dt)
+
+    def capturing(self, batch_size: int) -> bool:
+        """Whether a step at this batch size keeps target hidden states (for drafting and the drafter's data): not
+        where the bandit has closed the bucket because SD did not pay there."""
+        return self.bandit.capturing(batch_size)
+
+    def charge_capture(self, batch_size: int, seconds: float) -> None:
+        """Capture time of a plain step, booked against SD in its bucket (an SD step's own time includes it)."""
+        if not self._speculating:
+            self.bandit.charge(batch_size, seconds)
 
     def on_finish(self, done: list[Sequence]) -> None:
         for s in done:
@@ -163,7 +181,11 @@ class SpecDecoder:
             done = self.engine.sample_and_append(seqs, logits, hidden)
             emitted = len(seqs)
         else:
-            done, emitted = self._speculate(seqs, arm, bucket)
+            self._speculating = True
+            try:
+                done, emitted = self._speculate(seqs, arm, bucket)
+            finally:
+                self._speculating = False
         # a step that captured a CUDA graph (~10-100 plain steps, once) says nothing of the arm
         seconds = time.perf_counter() - t0
         if self.engine.num_graph_captures == captures:

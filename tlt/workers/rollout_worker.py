@@ -210,7 +210,8 @@ class RolloutReplica:
         tok = self.llm.tokenizer
         outs = [CompletionOutput(s.sample_index, tok.decode(s.output_ids, skip_special_tokens=True) if tok else "",
                                  list(s.output_ids), list(s.logprobs), s.finish_reason, float(sum(s.logprobs)),
-                                 torch.stack(s.hidden) if keep_hidden and s.hidden else None) for s in seqs]
+                                 torch.stack(s.hidden) if keep_hidden and s.hidden else None, s.hidden_start)
+                for s in seqs]
         return RequestOutput(seqs[0].request_id, None, prompt, outs, seqs[0].group_id)
 
     def _record(self, requests: list[list[Seq]], rl_step: int) -> int:
@@ -218,9 +219,9 @@ class RolloutReplica:
         with self._buffer_lock:
             for seqs in requests:
                 for s in seqs:
-                    if s.hidden:  # hidden[i] produced output token i: h at true position P - 1 + i
+                    if s.hidden:  # hidden[i] produced output token hidden_start + i: h at P - 1 + hidden_start + i
                         self.buffer.add(s.prompt_ids + s.output_ids, torch.stack(s.hidden), len(s.prompt_ids),
-                                        rl_step, hidden_start=len(s.prompt_ids) - 1)
+                                        rl_step, hidden_start=len(s.prompt_ids) - 1 + s.hidden_start)
                     s.hidden = []
             return self.buffer.num_train_tokens()
 
