@@ -424,8 +424,10 @@ def test_smoke_recipe_with_eagle_sd_and_online_drafter(tmp_path, monkeypatch, ca
     """configs/smoke.yaml end to end through `tlt train`: eagle SD rollouts, the online drafter hook, checkpoint,
     response lengths, the SD on/off comparison and the report."""
     monkeypatch.chdir(REPO)  # the recipe's data paths are relative to the repository root
+    # close_buckets=false: the tiny target's SD does not pay, and closed buckets would leave the drafter no data
     assert main(["configs/smoke.yaml", f"trainer.default_local_dir={tmp_path}", "trainer.logger=[jsonl]",
-                 "trainer.total_steps=3", "trainer.save_freq=-1", "trainer.test_freq=3"]) == 0
+                 "trainer.total_steps=3", "trainer.save_freq=-1", "trainer.test_freq=3",
+                 "speculative.close_buckets=false"]) == 0
     run_dir = tmp_path / "tlt" / "smoke"
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -646,7 +648,7 @@ def test_spot_session_trains_alongside_the_next_rollout(tmp_path, tiny_dir):
     opts = {"speculative.enabled": True, "speculative.method": "eagle", "speculative.bs_threshold": 64,
             "speculative.hysteresis_steps": 1, "drafter_train.min_buffer_tokens": 0, "drafter_train.batch_tokens": 128,
             "drafter_train.window_len": 32, "drafter_train.holdout_fraction": 0.0, "drafter_train.compare_drafters":
-            False}
+            False, "speculative.close_buckets": False}  # both runs keep all their data (spot keeps it anyway)
     spot = run(tmp_path / "spot", tiny_dir, **opts, **{"drafter_train.spot": True, "trainer.total_steps": 3})
     off = run(tmp_path / "off", tiny_dir, **opts, **{"drafter_train.spot": False, "trainer.total_steps": 2})
     assert spot.drafter_hook.spot and not off.drafter_hook.spot

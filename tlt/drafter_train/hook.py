@@ -15,7 +15,8 @@ class DrafterHook:
     """What the RL trainer calls of online drafter training (tlt.drafter_train.online); this default does nothing.
 
     before_rollout(step) runs at the start of each step, before its rollout (a hook may start work that overlaps
-    it). after_rollout(step, rollout, outputs) runs once per step after the policy update: `rollout` holds the
+    it); rollout_done(step) when the rollout and its rewards are done, before the log-probs and update (such work
+    yields the cores to them here). after_rollout(step, rollout, outputs) runs once per step after the policy update: `rollout` holds the
     responses trained on (tlt.rl.rollout.RolloutBatch), `outputs` every engine output of the step (groups dropped
     by dynamic sampling too), with target hidden states ([R, H] bf16 per response) when wants_hidden_states is
     True. It returns metrics to log. state_dict() is saved with each checkpoint and load_state_dict() restores it
@@ -25,6 +26,9 @@ class DrafterHook:
     wants_hidden_states = False
 
     def before_rollout(self, step: int) -> None:
+        return None
+
+    def rollout_done(self, step: int) -> None:
         return None
 
     def after_rollout(self, step: int, rollout: Any, outputs: list[RequestOutput]) -> dict[str, float]:

@@ -13,10 +13,13 @@ Budget of a session: by default one pass over the loss tokens that arrived since
 
 When: with `spot` off, after the policy update, paid on top of the RL step (drafter/train_time_s). With `spot` on
 (TLT's spot training, in one process) the session on the steps so far starts in a thread when the next rollout
-starts and runs on what the rollout leaves idle (a CPU core the rollout's one torch thread does not use; on this
-project's 2-core CPU it slowed a rollout by ~12% and saved a ~4 s session); it is joined and published after that
-rollout, so a drafter reaches the engine one step later. The session reads only the buffer and its own training
-copy; the engine's drafter changes only in the main thread.
+starts and runs on what the rollout leaves idle (a CPU core the rollout's one torch thread does not use). When the
+rollout ends the thread yields: it pauses before its next drafter step while the log-probs and policy
+update run (they would share memory bandwidth and the interpreter lock with it), and resumes after the update
+to finish what is left, which the step then waits for (drafter/spot_wait_s; docs/design.md §5). It is published
+after that, so a drafter reaches the engine one step later. The session reads only the buffer and its own
+training copy; the engine's drafter changes only in the main thread. Pausing, not stopping, keeps what is
+trained independent of timing: spot and non-spot runs train the same weights.
 
 The hook's checkpoint state is the published drafter weights, the optimiser, the sampling generator, the
 counters and the buffer (its hidden states too: a resumed run must train on what the uninterrupted one would, to
@@ -74,29 +77,41 @@ class OnlineDrafterHook(DrafterHook):
         self.new_tokens = 0          # loss tokens added since the last session
         self.last_train: dict[str, float] = {}
         self.spot, self.save_buffer = spot, save_buffer
+        # on idle compute the drafter's data costs the step nothing: keep it also where SD does not pay yet
+        spec.free_drafter_data = spot
         self.last_step = 0           # RL step of the newest data in the buffer
         self._pending: tuple[threading.Thread, dict] | None = None  # a spot session in flight
+        self._may_run = threading.Event()  # cleared while the update runs: the spot session waits
+        self._may_run.set()
 
     # ---- the hook ----------------------------------------------------------------------------------------
     def before_rollout(self, step: int) -> None:
         """spot: start the session on the steps so far, if one is due, in a thread alongside this rollout."""
         if self.spot and self._due(self.last_step):
             result: dict[str, Any] = {}
+            self._may_run.set()
 
             def work():
                 try:
-                    result["trained"] = self._train(self.last_step)
+                    result["trained"] = self._train(self.last_step, pause=self._may_run)
                 except BaseException as e:  # re-raised in the main thread by after_rollout
                     result["error"] = e
             thread = threading.Thread(target=work, name="tlt-spot-drafter", daemon=True)
             thread.start()
             self._pending = (thread, result)
 
+    def rollout_done(self, step: int) -> None:
+        """The rollout is over: a spot session pauses before its next drafter step until after the update."""
+        self._may_run.clear()
+
     def after_rollout(self, step: int, rollout: Any, outputs: list[RequestOutput]) -> dict[str, float]:
         metrics = {"drafter/steps": 0.0, "drafter/train_time_s": 0.0, "drafter/published": 0.0}
+        self._may_run.set()
         if self._pending is not None:  # the spot session that ran alongside this rollout: publish it now
             thread, result = self._pending
+            t0 = time.perf_counter()
             thread.join()
+            metrics["drafter/spot_wait_s"] = time.perf_counter() - t0  # what was left after the rollout
             self._pending = None
             if "error" in result:
                 raise result["error"]
@@ -156,16 +171,20 @@ class OnlineDrafterHook(DrafterHook):
         """Train, evaluate old vs new on the held-out slice, publish or roll back. Returns drafter/* metrics."""
         return self._finish(step, *self._train(step))
 
-    def _train(self, step: int):
-        """The session's work on the training copy (a spot thread runs this): train on the buffer as it is."""
+    def _train(self, step: int, pause: threading.Event | None = None):
+        """The session's work on the training copy (a spot thread runs this): train on the buffer as it is. With
+        `pause`, each drafter step first waits until it is set (the trainer's update runs meanwhile)."""
         t0 = time.perf_counter()
         heldout = self.heldout()
         old = self.trainer.evaluate(heldout) if heldout is not None else None
         snapshot = {k: v.clone() for k, v in self.drafter.trainable_state_dict().items()}
         deadline = None if self.max_seconds is None else t0 + self.max_seconds
         steps, self.new_tokens = self.session_steps(), 0
-        stats = self.trainer.train_steps(self.buffer, steps, step=step,
-                                         stop_flag=None if deadline is None else lambda: time.perf_counter() > deadline)
+        def stop() -> bool:  # checked before every drafter step
+            if pause is not None:
+                pause.wait()
+            return deadline is not None and time.perf_counter() > deadline
+        stats = self.trainer.train_steps(self.buffer, steps, step=step, stop_flag=stop)
         new = self.trainer.evaluate(heldout) if heldout is not None else None
         return stats, old, new, snapshot, time.perf_counter() - t0
 

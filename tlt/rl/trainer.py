@@ -171,6 +171,7 @@ class GRPOTrainer:
             with timer("step"):
                 self.drafter_hook.before_rollout(step)
                 rollout, outputs, step_metrics = self.collect_rollouts(step, timer)
+                self.drafter_hook.rollout_done(step)  # work alongside the rollout yields to the update
                 fault_point("rollout", step)
                 adv = compute_advantages(rollout.scores, rollout.group_ids, cfg.algorithm)
                 batch = rollout.to_actor_batch(adv.values, self.loss_mask(rollout, adv.valid_mask),
