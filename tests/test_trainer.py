@@ -440,9 +440,13 @@ def test_smoke_recipe_with_eagle_sd_and_online_drafter(tmp_path, monkeypatch, ca
                 "rollout/spec_accept_length", "rollout/spec_on_fraction", "rollout/decode_time_tail_s"):
         assert key in steps[-1], f"missing {key}"
     assert any(k.startswith("rollout/spec_arm_counts/") for k in steps[-1])
-    # drafters compared on each step's fresh held-out responses; before any session online IS the warm start
-    assert all(m["drafter/compare/tokens"] > 0 and m["drafter/compare/ngram"] >= 1 for m in steps)
-    assert steps[0]["drafter/compare/online"] == steps[0]["drafter/compare/frozen"]
+    # drafters compared on each step's fresh held-out responses (with spot training, in the next step's thread:
+    # logged a step late); before any session online IS the warm start
+    compared = [m for m in steps if "drafter/compare/tokens" in m]
+    assert len(compared) >= len(steps) - 1
+    assert [m["drafter/compare/rl_step"] for m in compared] == [m["step"] - len(steps) + len(compared) for m in compared]
+    assert all(m["drafter/compare/tokens"] > 0 and m["drafter/compare/ngram"] >= 1 for m in compared)
+    assert compared[0]["drafter/compare/online"] == compared[0]["drafter/compare/frozen"]
     assert "timing_s/drafter" in steps[0]
     # the drafter either advanced or a refusal was logged (published == 0 after training steps)
     assert steps[-1]["drafter/version"] >= 1 or any(m["drafter/steps"] > 0 and m["drafter/published"] == 0

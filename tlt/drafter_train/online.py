@@ -19,7 +19,9 @@ update run (they would share memory bandwidth and the interpreter lock with it),
 to finish what is left, which the step then waits for (drafter/spot_wait_s; docs/design.md §5). It is published
 after that, so a drafter reaches the engine one step later. The session reads only the buffer and its own
 training copy; the engine's drafter changes only in the main thread. Pausing, not stopping, keeps what is
-trained independent of timing: spot and non-spot runs train the same weights.
+trained independent of timing: spot and non-spot runs train the same weights. The drafter comparison
+(compare_drafters) runs in that thread too, on the previous step's held-out responses, and is logged with the
+step whose rollout it ran alongside (drafter/compare/rl_step names the responses' step).
 
 The hook's checkpoint state is the published drafter weights, the optimiser, the sampling generator, the
 counters and the buffer (its hidden states too: a resumed run must train on what the uninterrupted one would, to
@@ -86,14 +88,20 @@ class OnlineDrafterHook(DrafterHook):
 
     # ---- the hook ----------------------------------------------------------------------------------------
     def before_rollout(self, step: int) -> None:
-        """spot: start the session on the steps so far, if one is due, in a thread alongside this rollout."""
-        if self.spot and self._due(self.last_step):
+        """spot: in a thread alongside this rollout, compare the drafters on the previous step's held-out responses
+        (if compare_drafters) and run the session on the steps so far (if one is due)."""
+        compare_due = self.frozen is not None and bool(self.fresh_heldout)
+        train_due = self._due(self.last_step)
+        if self.spot and (compare_due or train_due):
             result: dict[str, Any] = {}
             self._may_run.set()
 
             def work():
                 try:
-                    result["trained"] = self._train(self.last_step, pause=self._may_run)
+                    if compare_due:  # before the session trains on them, as after_rollout does without spot
+                        result["compare"] = self.compare_drafters()
+                    if train_due:
+                        result["trained"] = self._train(self.last_step, pause=self._may_run)
                 except BaseException as e:  # re-raised in the main thread by after_rollout
                     result["error"] = e
             thread = threading.Thread(target=work, name="tlt-spot-drafter", daemon=True)
@@ -115,12 +123,14 @@ class OnlineDrafterHook(DrafterHook):
             self._pending = None
             if "error" in result:
                 raise result["error"]
-            metrics.update(self._finish(step, *result["trained"]))
+            metrics.update(result.get("compare", {}))  # the previous step's responses (drafter/compare/rl_step)
+            if "trained" in result:
+                metrics.update(self._finish(step, *result["trained"]))
         t0 = time.perf_counter()
         self.add_outputs(step, outputs)
         metrics["drafter/buffer_time_s"] = time.perf_counter() - t0
         self.last_step = step
-        if self.frozen is not None and self.fresh_heldout:
+        if not self.spot and self.frozen is not None and self.fresh_heldout:  # spot: in the next step's thread
             metrics.update(self.compare_drafters())
         if not self.spot and self._due(step):
             metrics.update(self.train_session(step))
@@ -155,7 +165,8 @@ class OnlineDrafterHook(DrafterHook):
         ngram = torch.cat([compare.accept_from_hits(compare.ngram_hits(
             prompt, group, i, compare.target_top1(s.hidden, self.drafter.target.lm_head_weight),
             self.spec.cfg.ngram_max_n, self.spec.cfg.ngram_min_n)) for s, prompt, group, i in self.fresh_heldout])
-        return {"drafter/compare/online": online["accept_proxy"], "drafter/compare/frozen": frozen["accept_proxy"],
+        return {"drafter/compare/rl_step": float(self.last_step),
+                "drafter/compare/online": online["accept_proxy"], "drafter/compare/frozen": frozen["accept_proxy"],
                 "drafter/compare/ngram": float(ngram.float().mean()), "drafter/compare/tokens": float(ngram.numel()),
                 "drafter/compare/time_s": time.perf_counter() - t0}
 
