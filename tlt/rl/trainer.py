@@ -27,6 +27,9 @@ With eagle SD and one rollout worker the drafter trains online in this process (
 model.path=tiny-random builds a tiny random Llama once (tlt.rl.tiny_model); model.path=null is the default
 SmolLM2 model. Under torchrun each rank rolls out train_batch_size / world_size prompts; gradients are summed
 over ranks with losses normalised by global token counts, so N ranks take the same step as one process.
+With actor.strategy=fsdp (under torchrun) the policy and the reference model are FSDP2 shards; each rank's engine
+decodes its own full copy, refreshed from the shards layer by layer after every update (tlt.rl.weight_sync,
+docs/design.md §12), and checkpoints add the shards of the weights and AdamW state (tlt.rl.sharded_checkpoint).
 """
 from __future__ import annotations
 
@@ -160,7 +163,7 @@ class GRPOTrainer:
         self.rewards = RewardManager(cfg.reward)
         self.rollout_model = self._rollout_model()  # self.model, or a copy in rollout.dtype (before any sharding)
         self.actor = Actor(self.model, cfg.actor, t.total_steps)
-        self.last_sync = SyncStats()
+        self.step_sync = SyncStats()  # the weight syncs of the current step (engine copy and Ray replicas)
         self.llm = LLM(model=self.rollout_model, tokenizer=self.tokenizer, speculative_config=self._speculative_config(),
                        **cfg.engine_args())
         self.drafter_hook = drafter_hook or self._default_drafter_hook()
@@ -182,6 +185,7 @@ class GRPOTrainer:
         for step in range(self.start_step + 1, t.total_steps + 1):
             timer = PhaseTimer()
             with timer("step"):
+                self.step_sync = SyncStats()
                 self.drafter_hook.before_rollout(step)
                 rollout, outputs, step_metrics = self.collect_rollouts(step, timer)
                 fault_point("rollout", step)
@@ -197,7 +201,7 @@ class GRPOTrainer:
                 with timer("update_actor"):
                     step_metrics.update(self.actor.update(batch, self.num_mini_batches))
                     self.sync_rollout_weights()
-                step_metrics.update(self.last_sync.metrics())
+                step_metrics.update(self.step_sync.metrics())
                 fault_point("update", step)
                 step_metrics.update(self.logprob_diff(batch, engine_log_probs, trainer_rows))
                 with timer("drafter"):
@@ -247,8 +251,9 @@ class GRPOTrainer:
             first_group = attempt * self.cfg.data.train_batch_size + rank * per
             with timer("gen"):
                 if self.rollout_engine is not self.llm:  # replicas hold their own copy of the policy
-                    state, self.last_sync = rollout_state_dict(self.model, DTYPES[self.cfg.rollout_dtype()])
+                    state, stats = rollout_state_dict(self.model, DTYPES[self.cfg.rollout_dtype()])
                     self.rollout_engine.set_policy_weights(state)
+                    self.step_sync += stats
                     self.rollout_engine.rl_step = step
                 batch, outs = generate_rollouts(self.rollout_engine, prompts, params, first_group)
                 if self.rollout_engine is not self.llm:
@@ -351,8 +356,8 @@ class GRPOTrainer:
 
     def sync_rollout_weights(self) -> None:
         """Copy the updated policy (gathered from its FSDP shards one unit at a time, docs/design.md §12) into the
-        engine's copy, rounded to its dtype; self.last_sync holds the bytes and seconds (0 bytes when shared)."""
-        self.last_sync = sync_weights(self.model, self.rollout_model)
+        engine's copy, rounded to its dtype; self.step_sync adds up the bytes and seconds (0 bytes when shared)."""
+        self.step_sync += sync_weights(self.model, self.rollout_model)
 
     def _speculative_config(self) -> dict[str, Any] | None:
         spec = self.cfg.speculative.engine_config(self.cfg.trainer.seed)

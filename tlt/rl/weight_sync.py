@@ -28,6 +28,9 @@ class SyncStats:
     bytes: int = 0
     seconds: float = 0.0
 
+    def __add__(self, other: "SyncStats") -> "SyncStats":
+        return SyncStats(self.bytes + other.bytes, self.seconds + other.seconds)
+
     def metrics(self) -> dict[str, float]:
         gb_per_s = self.bytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
         return {"weight_sync/bytes": float(self.bytes), "weight_sync/time_s": self.seconds,
