@@ -187,3 +187,22 @@ def test_fsdp_without_torchrun_fails_before_loading(tmp_path, tiny_dir, monkeypa
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ConfigError, match="torchrun --nproc_per_node 2 -m tlt train"):
         GRPOTrainer(load_config(None, train_overrides(tmp_path, tiny_dir, **{"actor.strategy": "fsdp"})))
+
+
+def test_fsdp_refuses_a_ddp_checkpoint_before_loading(tmp_path, tiny_dir, monkeypatch):
+    """A one-rank torchrun group (the env torchrun sets) joins for fsdp; a ddp checkpoint has no shards to resume."""
+    ckpt = tmp_path / "global_step_1"
+    ckpt.mkdir()
+    for name in ("model.safetensors", "trainer_state.pt", "config.yaml"):  # complete, but no actor_shards/
+        (ckpt / name).write_text("")
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(key, value)
+    try:
+        with pytest.raises(ConfigError, match="saved by an actor.strategy=ddp run"):
+            GRPOTrainer(load_config(None, train_overrides(tmp_path, tiny_dir, **{
+                "actor.strategy": "fsdp", "trainer.resume": str(ckpt)})))
+        assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
