@@ -184,13 +184,6 @@ def test_export_hf_from_shards_loads_in_transformers(tmp_path, model_dir):
         assert not torch.allclose(start(ids).logits, hf(ids).logits, atol=1e-4)
 
 
-def test_trainer_refuses_fsdp_before_work(tmp_path):
-    from tlt.config import ConfigError, load_config
-    from tlt.rl.trainer import GRPOTrainer
-    with pytest.raises(ConfigError, match="actor.strategy=ddp"):
-        GRPOTrainer(load_config(None, ["actor.strategy=fsdp", f"trainer.default_local_dir={tmp_path}"]))
-
-
 def test_tied_embeddings_two_ranks_equal_one_process(tmp_path):
     """A tied LM head (Qwen3): the embedding's gradient from the lookup and from the head (called outside the
     root forward) both reach FSDP's reduce-scatter."""

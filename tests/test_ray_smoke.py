@@ -175,6 +175,7 @@ def test_trainer_over_ray_replicas_trains_and_harvests(tmp_path, monkeypatch, ca
     last = steps[-1]
     assert last["step"] == 2 and last["critic/score/mean"] is not None
     assert last["spot/num_dead_replicas"] == 0 and "spot/barrier_delay_steps" in last
+    assert last["weight_sync/bytes"] > 0 and last["weight_sync/time_s"] > 0  # the policy pushed to the replicas
     # Whether the idle replica finishes a drafter step before the last replica ends its rollout (preemption) is a
     # matter of timing on this tiny model; publishing under guaranteed idle time is tested in
     # test_spot_rollout_two_steps. Here: the published version counts exactly the completed, unrefused sessions.

@@ -96,7 +96,8 @@ class ActorConfig:
                                    "avx512_bf16/AMX CPUs)")
     strategy: Literal["ddp", "fsdp"] = _f("ddp", "data parallelism: ddp = full replicas, gradients all-reduced; fsdp = "
                                                 "FSDP2 shards (parameters, gradients, optimiser state split over "
-                                                "ranks; needs torch.distributed)")
+                                                "ranks; launch with torchrun; the rollout engine keeps a full "
+                                                "copy, synced from the shards)")
     gradient_checkpointing: bool = _f(False, "recompute each decoder layer's activations in the backward (less memory, "
                                              "~1 more forward)")
     fsdp_offload: bool = _f(False, "strategy=fsdp: keep parameter, gradient and optimiser shards in CPU memory "

@@ -22,6 +22,8 @@ from tlt.models.decoder import Decoder
 from tlt.models.loader import save_model
 from tlt.rl.actor import Actor
 
+SHARDS_DIR = "actor_shards"  # in a tlt train checkpoint (global_step_N/) of an actor.strategy=fsdp run
+
 
 def _state(actor: Actor) -> dict:
     model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
@@ -49,14 +51,23 @@ def full_state_dict(model: Decoder) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def export_hf(model: Decoder, out_dir: str | os.PathLike, hf_config_path: str | os.PathLike) -> None:
-    """Write `model` (sharded or not) as an HF checkpoint: config.json copied from `hf_config_path` (the
-    checkpoint the run started from) and model.safetensors under HF names. Rank 0 writes."""
+def consolidated(model: Decoder) -> Decoder | None:
+    """`model`'s full weights as a plain Decoder on the CPU, on rank 0 (collective; None on the other ranks).
+    Its rotary buffers stay on the meta device: it is for saving, not for running."""
     full = full_state_dict(model)
     if dist.is_initialized() and dist.get_rank() != 0:
-        return
+        return None
     with torch.device("meta"):
         plain = Decoder(model.cfg)
     plain.load_state_dict(full, strict=False, assign=True)  # buffers (rotary) are not weights: not exported
+    return plain
+
+
+def export_hf(model: Decoder, out_dir: str | os.PathLike, hf_config_path: str | os.PathLike) -> None:
+    """Write `model` (sharded or not) as an HF checkpoint: config.json copied from `hf_config_path` (the
+    checkpoint the run started from) and model.safetensors under HF names. Rank 0 writes."""
+    plain = consolidated(model)
+    if plain is None:
+        return
     hf_config = json.loads((Path(hf_config_path) / "config.json").read_text())
     save_model(plain, out_dir, hf_config)

@@ -27,12 +27,16 @@ With eagle SD and one rollout worker the drafter trains online in this process (
 model.path=tiny-random builds a tiny random Llama once (tlt.rl.tiny_model); model.path=null is the default
 SmolLM2 model. Under torchrun each rank rolls out train_batch_size / world_size prompts; gradients are summed
 over ranks with losses normalised by global token counts, so N ranks take the same step as one process.
+With actor.strategy=fsdp (under torchrun) the policy and the reference model are FSDP2 shards; each rank's engine
+decodes its own full copy, refreshed from the shards layer by layer after every update (tlt.rl.weight_sync,
+docs/design.md §12), and checkpoints add the shards of the weights and AdamW state (tlt.rl.sharded_checkpoint).
 """
 from __future__ import annotations
 
 import copy
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -48,6 +52,7 @@ from tlt.drafter_train.hook import DrafterHook
 from tlt.engine.outputs import RequestOutput
 from tlt.faults import fault_point
 from tlt.preflight import check_run
+from tlt.rl import fsdp
 from tlt.rl.actor import Actor
 from tlt.rl.advantages import compute_advantages, get_adv_estimator, groups_to_keep, keep_mask
 from tlt.rl.checkpoint import (CheckpointManager, TrainerState, capture_rng_state, copy_hf_side_files,
@@ -57,7 +62,9 @@ from tlt.rl.losses import get_policy_loss
 from tlt.rl.logging import MetricsLogger, PhaseTimer, flat_numbers, reduce_metrics, rollout_metrics
 from tlt.rl.rewards import RewardManager
 from tlt.rl.rollout import ActorBatch, RolloutBatch, generate_rollouts, rollout_seed, sampling_params_for
+from tlt.rl.sharded_checkpoint import SHARDS_DIR, consolidated, load_sharded, save_sharded
 from tlt.rl.tiny_model import TINY_MODEL_NAME
+from tlt.rl.weight_sync import SyncStats, rollout_state_dict, sync_weights
 
 if TYPE_CHECKING:
     from tlt.models.decoder import Decoder
@@ -86,11 +93,12 @@ def config_device(cfg: Config) -> torch.device:
         raise ConfigError(f"model.device: {e}") from None
 
 
-def init_distributed(device_type: str = "cpu") -> DistInfo:
-    """Join the torchrun process group when WORLD_SIZE > 1 (NCCL when the model runs on CUDA, else gloo);
-    idempotent."""
+def init_distributed(device_type: str = "cpu", single_rank: bool = False) -> DistInfo:
+    """Join the torchrun process group when WORLD_SIZE > 1 (NCCL when the model runs on CUDA, else gloo), or with
+    `single_rank` also a one-process torchrun group (FSDP needs one); idempotent."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
+    launched = world > 1 or (single_rank and "MASTER_ADDR" in os.environ and "RANK" in os.environ)
+    if launched and not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     if not dist.is_initialized():
         return DistInfo()
@@ -112,10 +120,11 @@ class GRPOTrainer:
 
         check_run(cfg)  # every input checked before any expensive work (tlt.preflight)
         device = config_device(cfg)
-        if cfg.actor.strategy == "fsdp":  # the engine decodes the policy's own parameters, which FSDP shards
-            raise ConfigError("actor.strategy=fsdp: tlt train cannot yet refresh the rollout engine from FSDP "
-                              "shards; set actor.strategy=ddp (tlt.rl.actor.Actor and `tlt plan` accept fsdp)")
-        self.cfg, self.dist = cfg, init_distributed(device.type)
+        self.cfg, self.dist = cfg, init_distributed(device.type, single_rank=cfg.actor.strategy == "fsdp")
+        if cfg.actor.strategy == "fsdp" and not dist.is_initialized():
+            raise ConfigError("actor.strategy=fsdp needs torch.distributed: launch with torchrun, e.g. `torchrun "
+                              "--nproc_per_node 2 -m tlt train CONFIG ...`; for one plain process set "
+                              "actor.strategy=ddp")
         prepare_config(cfg, self.dist)
         if self.dist.is_main:
             print(format_config(cfg), flush=True)  # resolved: the default model, data and drafter filled in
@@ -135,6 +144,10 @@ class GRPOTrainer:
         self.run_dir = Path(t.default_local_dir) / t.project_name / t.experiment_name
         self.ckpt = CheckpointManager(self.run_dir, t.max_ckpt_to_keep)
         resume_dir = self.ckpt.resolve_resume(t.resume)
+        if resume_dir and cfg.actor.strategy == "fsdp" and not (resume_dir / SHARDS_DIR / ".metadata").is_file():
+            raise ConfigError(f"trainer.resume: {resume_dir} was saved by an actor.strategy=ddp run (no sharded "
+                              f"{SHARDS_DIR}/); resume it with actor.strategy=ddp, or start an fsdp run from its "
+                              f"weights with model.path={resume_dir} trainer.resume=disable")
         dtype = DTYPES[cfg.policy_dtype()]
 
         self.tokenizer = load_tokenizer(cfg.model.path)
@@ -142,12 +155,15 @@ class GRPOTrainer:
         # the reference policy is the initial model, also after a resume (model.path, not the checkpoint)
         self.ref_model = load_model(cfg.model.path, dtype=dtype, device=str(self.device)).requires_grad_(False) \
             if cfg.actor.use_kl_loss else None
+        if self.ref_model is not None and cfg.actor.strategy == "fsdp":
+            fsdp.shard_model(self.ref_model, cfg.actor)  # forward only: sharded like the policy
         self.train_data = PromptDataset.from_config(d, self.tokenizer, "train")
         self.val_examples = load_examples(d.val_files, self.tokenizer, d.prompt_key, d.max_prompt_length,
                                           d.filter_overlong_prompts)[0] if d.val_files else []
         self.rewards = RewardManager(cfg.reward)
+        self.rollout_model = self._rollout_model()  # self.model, or a copy in rollout.dtype (before any sharding)
         self.actor = Actor(self.model, cfg.actor, t.total_steps)
-        self.rollout_model = self._rollout_model()  # self.model, or a copy in rollout.dtype
+        self.step_sync = SyncStats()  # the weight syncs of the current step (engine copy and Ray replicas)
         self.llm = LLM(model=self.rollout_model, tokenizer=self.tokenizer, speculative_config=self._speculative_config(),
                        **cfg.engine_args())
         self.drafter_hook = drafter_hook or self._default_drafter_hook()
@@ -169,6 +185,7 @@ class GRPOTrainer:
         for step in range(self.start_step + 1, t.total_steps + 1):
             timer = PhaseTimer()
             with timer("step"):
+                self.step_sync = SyncStats()
                 self.drafter_hook.before_rollout(step)
                 rollout, outputs, step_metrics = self.collect_rollouts(step, timer)
                 self.drafter_hook.rollout_done(step)  # work alongside the rollout yields to the update
@@ -185,6 +202,7 @@ class GRPOTrainer:
                 with timer("update_actor"):
                     step_metrics.update(self.actor.update(batch, self.num_mini_batches))
                     self.sync_rollout_weights()
+                step_metrics.update(self.step_sync.metrics())
                 fault_point("update", step)
                 step_metrics.update(self.logprob_diff(batch, engine_log_probs, trainer_rows))
                 with timer("drafter"):
@@ -234,7 +252,9 @@ class GRPOTrainer:
             first_group = attempt * self.cfg.data.train_batch_size + rank * per
             with timer("gen"):
                 if self.rollout_engine is not self.llm:  # replicas hold their own copy of the policy
-                    self.rollout_engine.set_policy_weights(self.model.state_dict())
+                    state, stats = rollout_state_dict(self.model, DTYPES[self.cfg.rollout_dtype()])
+                    self.rollout_engine.set_policy_weights(state)
+                    self.step_sync += stats
                     self.rollout_engine.rl_step = step
                 batch, outs = generate_rollouts(self.rollout_engine, prompts, params, first_group)
                 if self.rollout_engine is not self.llm:
@@ -284,7 +304,7 @@ class GRPOTrainer:
             return on_policy
         skip = set(on_policy)
         rows = [i for i in range(len(batch)) if i not in skip]
-        if rows:
+        if rows or self.actor.sharded:  # FSDP: a rank with no rows still joins the others' gathers
             sub = batch.rows(rows)
             batch.old_log_probs[rows, :sub.old_log_probs.shape[1]] = self.actor.compute_log_probs(sub)
         return sorted(on_policy + rows)
@@ -327,20 +347,18 @@ class GRPOTrainer:
     # ---------------------------------------------------------------- setup, checkpoints
 
     def _rollout_model(self) -> Decoder:
-        """Config.rollout_dtype() equal to the policy's: the policy itself, shared with the engine. Otherwise (e.g.
-        auto on bf16 hardware) a copy in that dtype, which `sync_rollout_weights` refreshes after each update."""
-        if self.cfg.rollout_dtype() == self.cfg.policy_dtype():
+        """Config.rollout_dtype() equal to the policy's and full replicas (ddp): the policy itself, shared with the
+        engine. Otherwise (e.g. auto on bf16 hardware, or actor.strategy=fsdp, whose parameters are shards) a
+        copy in that dtype, made before the actor shards the policy, which `sync_rollout_weights` refreshes after
+        each update."""
+        if self.cfg.rollout_dtype() == self.cfg.policy_dtype() and self.cfg.actor.strategy != "fsdp":
             return self.model
         return copy.deepcopy(self.model).to(DTYPES[self.cfg.rollout_dtype()]).requires_grad_(False).eval()
 
-    @torch.no_grad()
     def sync_rollout_weights(self) -> None:
-        """Copy the updated policy into the engine's copy (rounded to its dtype). Each copy bumps the weight's
-        version, so the engine's packed weights are packed again before the next rollout."""
-        if self.rollout_model is self.model:
-            return
-        for dst, src in zip(self.rollout_model.parameters(), self.model.parameters()):
-            dst.copy_(src)
+        """Copy the updated policy (gathered from its FSDP shards one unit at a time, docs/design.md §12) into the
+        engine's copy, rounded to its dtype; self.step_sync adds up the bytes and seconds (0 bytes when shared)."""
+        self.step_sync += sync_weights(self.model, self.rollout_model)
 
     def _speculative_config(self) -> dict[str, Any] | None:
         spec = self.cfg.speculative.engine_config(self.cfg.trainer.seed)
@@ -360,7 +378,7 @@ class GRPOTrainer:
         rcfg = ReplicaConfig.from_config(self.cfg)
         rcfg.speculative = self._speculative_config()
         gpu = {"num_gpus": 1} if self.device.type == "cuda" else None
-        return SpotRollout(self.model, max(t.num_rollout_workers, 1), rcfg, SpotConfig.from_config(self.cfg),
+        return SpotRollout(self.rollout_model, max(t.num_rollout_workers, 1), rcfg, SpotConfig.from_config(self.cfg),
                            actor_options=gpu, tokenizer=self.tokenizer)
 
     def _default_drafter_hook(self) -> DrafterHook:
@@ -385,15 +403,28 @@ class GRPOTrainer:
         return str(save_drafter(drafter, self.run_dir / f"drafter_init_rank{self.dist.rank}"))
 
     def save_checkpoint(self, step: int) -> None:
+        """global_step_N/ (tlt.rl.checkpoint). Under actor.strategy=fsdp every rank first writes its shards of the
+        weights and AdamW state (DCP) into a staging directory that rank 0 moves into the checkpoint, and the
+        consolidated HF weights are gathered for rank 0 (model.safetensors stays the deploy format)."""
+        staging, plain = self.run_dir / f".shards_step_{step}", self.model
+        if self.actor.sharded:
+            if self.dist.is_main:
+                shutil.rmtree(staging, ignore_errors=True)  # a crashed save's leftovers
+            dist.barrier()
+            save_sharded(self.actor, staging)
+            plain = consolidated(self.model)  # collective; None on ranks other than 0
         if self.dist.is_main:
             def write_model(path: Path) -> None:
                 from tlt.models.loader import save_model
                 copy_hf_side_files(self.cfg.model.path, path)
-                save_model(self.model, path)
+                save_model(plain, path)
+                if self.actor.sharded:
+                    os.rename(staging, path / SHARDS_DIR)
                 self.tokenizer.save_pretrained(str(path))
                 self.drafter_hook.export(path / "drafter")
 
-            state = TrainerState(step=step, actor=self.actor.state_dict(), rng=capture_rng_state(),
+            actor_state = {"sharded": SHARDS_DIR} if self.actor.sharded else self.actor.state_dict()
+            state = TrainerState(step=step, actor=actor_state, rng=capture_rng_state(),
                                  data=self.train_data.state_dict(), drafter_hook=self.drafter_hook.state_dict(),
                                  rollout_seed=self.cfg.trainer.seed)
             self.ckpt.save(step, write_model, state, self.cfg)
@@ -406,7 +437,11 @@ class GRPOTrainer:
         if state.rollout_seed != self.cfg.trainer.seed:
             raise ConfigError(f"trainer.seed={self.cfg.trainer.seed} differs from the checkpoint's "
                               f"({state.rollout_seed}): a resumed run would not sample what the original did")
-        self.actor.load_state_dict(state.actor)
+        if "sharded" in state.actor:  # an fsdp run's shards: DCP reshards to this run's ranks and strategy
+            load_sharded(self.actor, path / state.actor["sharded"])
+            self.sync_rollout_weights()
+        else:
+            self.actor.load_state_dict(state.actor)
         restore_rng_state(state.rng)
         self.train_data.load_state_dict(state.data)
         self.drafter_hook.load_state_dict(state.drafter_hook)
