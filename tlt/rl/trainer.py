@@ -139,6 +139,10 @@ class GRPOTrainer:
                 raise ConfigError(e.args[0]) from None
         self.prompts_per_rank = d.train_batch_size // self.dist.world_size
         self.num_mini_batches = d.train_batch_size // (cfg.actor.ppo_mini_batch_size or d.train_batch_size)
+        if self.prompts_per_rank % self.num_mini_batches:  # each rank splits its own prompts into the mini-batches
+            raise ConfigError(f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} on {self.dist.world_size} "
+                              f"ranks: each rank's {self.prompts_per_rank} prompts must split into "
+                              f"{self.num_mini_batches} mini-batches; use a multiple of {self.dist.world_size}")
         self.device = torch.device("cuda", self.dist.local_rank) if device.type == "cuda" else device
         torch.manual_seed(t.seed)
         self.run_dir = Path(t.default_local_dir) / t.project_name / t.experiment_name
