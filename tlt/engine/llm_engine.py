@@ -92,7 +92,7 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # ---- colocated placement: the trainer gets the device between rollouts (docs/design.md §Placement) -------
+    # ---- colocated placement: the trainer gets the device between rollouts (docs/design.md §12) -------
     def sleep(self) -> int:
         """Free the KV caches (target's and drafter's) and captured graphs; returns the bytes freed. Weights stay.
         Only between rollouts: a sleeping engine holds no running sequence. The caches grow back on demand at the

@@ -3,7 +3,7 @@
     a = assign_bundles("disaggregated", nnodes=1, n_gpus_per_node=8, rollout_gpus=2)
     a.trainer_bundles == [0, 1, 2, 3, 4, 5]; a.rollout_bundles == [6, 7]
 
-One bundle is one GPU (and one CPU); there are nnodes * n_gpus_per_node of them (docs/design.md §Placement):
+One bundle is one GPU (and one CPU); there are nnodes * n_gpus_per_node of them (docs/design.md §12):
 - colocated: every bundle holds one trainer rank and one rollout replica, each with half of the GPU; the replica
   frees its KV cache while the trainer updates (engine sleep/wake), as verl's hybrid engine does;
 - disaggregated: trainer ranks on the first bundles, rollout replicas (and their spot drafter training) on the

@@ -272,7 +272,7 @@ class RolloutReplica:
         return TrainResult(self.replica_id, st.steps, time.perf_counter() - t0, st.mean_step_s, st.preempted,
                            publish, before, after, st.last.loss if st.last else None)
 
-    # ---- colocated placement (docs/design.md §Placement) --------------------------------------------------------
+    # ---- colocated placement (docs/design.md §12) --------------------------------------------------------
     def sleep(self) -> int:
         """Free the engine's KV caches while the trainer on the same GPU updates; returns the bytes freed."""
         with self._step_lock:
