@@ -10,7 +10,7 @@ node's GPUs before the next node's) and `PlacementGroupSchedulingStrategy` puts 
 trainer rank i and rollout replica i share bundle i, each asking for half of its GPU, and the replica sleeps (frees
 its KV cache) after each rollout so the update has the memory; disaggregated: whole GPUs, trainer ranks on the
 first bundles, replicas on the rest, and the spot drafter training runs on the replicas' GPUs (docs/design.md
-§Placement). Which GPU an actor sees is Ray's business (CUDA_VISIBLE_DEVICES); whether it runs on CUDA is the
+§12). Which GPU an actor sees is Ray's business (CUDA_VISIBLE_DEVICES); whether it runs on CUDA is the
 device config's (ReplicaConfig.device), so fake GPU resources on a CPU machine test the placement.
 """
 from __future__ import annotations
