@@ -167,6 +167,15 @@ class TrainerConfig:
     seed: int = _f(0, "global seed (torch, sampling)")
     num_rollout_workers: int = _f(1, "rollout replicas", ge=1)
     use_ray: bool = _f(False, "run rollout workers as Ray actors")
+    placement: Literal["none", "colocated", "disaggregated"] = _f(
+        "none", "GPU placement of the Ray rollout replicas (one Ray placement group of nnodes * n_gpus_per_node "
+                "one-GPU bundles): colocated = a replica on every GPU, sharing it with a trainer rank (half each; "
+                "the replica frees its KV cache between rollouts); disaggregated = replicas (and their spot "
+                "drafter training) on the last rollout_gpus GPUs, trainer ranks on the rest; none = no placement "
+                "group (num_rollout_workers replicas, one GPU each on CUDA)")
+    nnodes: int = _f(1, "nodes of the Ray cluster the placement group spans (verl's trainer.nnodes)", ge=1)
+    n_gpus_per_node: int = _f(1, "GPUs used on each node (verl's trainer.n_gpus_per_node)", ge=1)
+    rollout_gpus: int | None = _f(None, "placement=disaggregated: GPUs for rollout replicas; null = half", ge=1)
 
 
 @dataclass
@@ -246,9 +255,21 @@ def _validate(cfg: Config) -> None:
         if s.seed != 0:
             raise ConfigError(f"speculative.seed={s.seed}: a run seeds speculative decoding from trainer.seed; set "
                               "trainer.seed instead")
+    if cfg.trainer.placement != "none":
+        _validate_placement(cfg)
     fn = cfg.reward.custom_function
     if fn is not None and (":" not in fn or not fn.rsplit(":", 1)[0].endswith(".py")):
         raise ConfigError(f"reward.custom_function={fn!r} must look like 'path/to/file.py:function_name'")
+
+
+def _validate_placement(cfg: Config) -> None:
+    from tlt.workers.bundles import assign_bundles, check_divides  # pure arithmetic, no Ray
+    t = cfg.trainer
+    a = assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus)
+    if t.num_rollout_workers not in (1, len(a.rollout_bundles)):
+        raise ConfigError(f"trainer.num_rollout_workers={t.num_rollout_workers} but trainer.placement={t.placement} "
+                          f"runs one replica per rollout GPU ({len(a.rollout_bundles)}): leave it at 1")
+    check_divides(a, cfg.data.train_batch_size, cfg.rollout.n)
 
 
 # ---------------------------------------------------------------- public API

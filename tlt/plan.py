@@ -1,12 +1,14 @@
 """Per-device memory plan of a training config, before any weights load.
 
-    tlt plan [CONFIG.yaml] [key=value ...] [--world-size N] [--device-memory 80GiB]
+    tlt plan [CONFIG.yaml] [key=value ...] [--world-size N] [--device-memory 80GiB] [--model-config DIR]
 
 Prints the bytes one device holds for the actor strategy (actor.strategy) at N ranks: parameters, gradients and
 AdamW state (exact: counted from the model's shapes, FSDP2's dim-0 shards padded as fully_shard pads them), the
 reference model, activations of one micro-batch and FSDP's gathered layers (estimates), the rollout KV cache and
 the drafter. Exits 2, naming the key to change, when the total exceeds --device-memory (default: the CUDA
-device's memory when there is one; no check otherwise).
+device's memory when there is one; no check otherwise). --model-config plans from an architecture alone (a directory
+with an HF config.json, e.g. configs/models/qwen2.5-32b-instruct) instead of model.path; --world-size defaults to
+WORLD_SIZE, else to the trainer ranks of trainer.placement.
 """
 from __future__ import annotations
 
@@ -76,14 +78,17 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int) -> Plan:
     if fsdp:  # a layer's gathered weights, and the next one's prefetched, in the compute dtype
         rows.append(("fsdp gathered layers", 2 * layer_numel * compute, "actor.strategy"))
     m = model_cfg
-    H, inter, T = m.hidden_size, m.intermediate_size, a.ppo_max_token_len
+    # a micro-batch holds at least one whole row, so the longest prompt + response bounds it from below
+    T = max(a.ppo_max_token_len, cfg.data.max_prompt_length + cfg.data.max_response_length)
+    H, inter = m.hidden_size, m.intermediate_size
     qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
     # saved per token and layer for the backward: norm inputs/outputs, q/k/v, attention out, MLP in, gate/up, act
     per_layer = (4 * H + 2 * qkv + 3 * inter) * compute
     kept = m.num_layers * (H * compute if a.gradient_checkpointing else per_layer) + \
         (per_layer if a.gradient_checkpointing else 0)
     logits = 3 * m.vocab_size * 4  # fp32 logits, log-softmax and its gradient, per response token
-    rows.append(("activations", T * (kept + logits), "actor.ppo_max_token_len (or actor.gradient_checkpointing)"))
+    rows.append(("activations", T * (kept + logits), "actor.ppo_max_token_len or data.max_response_length "
+                                                "(or actor.gradient_checkpointing)"))
     kv_width = 2 if cfg.rollout_dtype() == "bfloat16" else 4
     max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     kv = cfg.rollout.max_num_seqs * max_len * m.num_layers * 2 * m.num_kv_heads * m.head_dim * kv_width
@@ -96,9 +101,9 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int) -> Plan:
     return Plan(rows)
 
 
-def _model_config(cfg: Config) -> ModelConfig:
+def _model_config(cfg: Config, architecture: str | None = None) -> ModelConfig:
     from tlt.models.loader import read_config
-    path = cfg.model.path
+    path = architecture or cfg.model.path
     if path == "tiny-random":
         from tlt.rl.tiny_model import tiny_random_model_path
         path = str(tiny_random_model_path())
@@ -108,26 +113,41 @@ def _model_config(cfg: Config) -> ModelConfig:
     return read_config(path)
 
 
+def _default_world(cfg: Config) -> int:
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    t = cfg.trainer
+    if t.placement == "none":
+        return 1
+    from tlt.workers.bundles import assign_bundles  # pure arithmetic, no Ray
+    return len(assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus).trainer_bundles)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tlt plan", description=__doc__.split("\n\n")[0])
     p.add_argument("args", nargs="*", help="[CONFIG.yaml] then key=value overrides")
-    p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
+    p.add_argument("--world-size", type=int, default=None,
+                   help="trainer ranks; default: WORLD_SIZE, else trainer.placement's trainer ranks, else 1")
+    p.add_argument("--model-config", default=None, metavar="DIR",
+                   help="plan this architecture (a directory with an HF config.json) instead of model.path's")
     p.add_argument("--device-memory", default=None, help="e.g. 80GiB; default: the CUDA device's, if any")
     ns = p.parse_intermixed_args(argv)
     yaml_path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
     overrides = ns.args[1:] if yaml_path else ns.args
     try:
-        if ns.world_size < 1:
-            raise ValueError(f"--world-size {ns.world_size}: must be >= 1")
         cfg = load_config(yaml_path, overrides)
+        world = ns.world_size or _default_world(cfg)
+        if world < 1:
+            raise ValueError(f"--world-size {world}: must be >= 1")
+        model_cfg = _model_config(cfg, ns.model_config)
         limit = parse_bytes(ns.device_memory) if ns.device_memory else None
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"tlt plan: {e}", file=sys.stderr)
         return 2
     if limit is None and torch.cuda.is_available():
         limit = torch.cuda.get_device_properties(0).total_memory
-    plan = memory_plan(cfg, _model_config(cfg), ns.world_size)
-    print(f"actor.strategy={cfg.actor.strategy}, {ns.world_size} rank(s), per device:")
+    plan = memory_plan(cfg, model_cfg, world)
+    print(f"actor.strategy={cfg.actor.strategy}, {world} rank(s), per device:")
     print(plan.table())
     if limit is not None and plan.total > limit:
         name, size, key = max(plan.rows, key=lambda r: r[1])

@@ -50,6 +50,10 @@ class GraphedForward:
         self.num_captured = 0
         kv.round_to = max(kv.round_to, ROUND)
 
+    def release(self) -> None:
+        """Drop the captured graphs and their memory pool (they point into a KV cache that is being freed)."""
+        self.graphs, self.cache_key, self.pool = {}, None, None
+
     def serves(self, B: int, T: int) -> bool:
         return T <= MAX_TOKENS and B <= self.kv.num_slots
 

@@ -44,6 +44,10 @@ class KVCache:
             new[:self.slots, :, :self.capacity] = old
         self.k, self.v, self.capacity, self.slots = new_k, new_v, new_cap, new_slots
 
+    def release(self) -> None:
+        """Free every K/V tensor (the engine's sleep); ensure_capacity allocates afresh at the next request."""
+        self.k, self.v, self.capacity, self.slots = [], [], 0, 0
+
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot src's first `length` positions into slot dst (compaction after a sequence finishes)."""
         for t in self.k + self.v:

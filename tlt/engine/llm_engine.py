@@ -51,6 +51,7 @@ class LLMEngine:
         # on CUDA, decode and verification replay captured graphs unless enforce_eager (vLLM's switch)
         self.runner = ModelRunner(model, self.kv, cuda_graphs=not enforce_eager and self.device.type == "cuda")
         self.spec = None  # a speculator (tlt.speculative.SpecDecoder), set by attach_speculator
+        self.asleep = False  # sleep() freed the KV caches; add_request refuses until wake()
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(seed)
@@ -70,6 +71,8 @@ class LLMEngine:
             raise ValueError(f"sampling params must be tlt.SamplingParams, got {type(params).__name__}")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, group_id: int | None = None) -> list[Sequence]:
+        if self.asleep:
+            raise RuntimeError("the engine is asleep (its KV cache was freed for the trainer): call wake() first")
         self.check_request(prompt_ids, params)
         request_id = next(self._ids)
         group_id = request_id if group_id is None else group_id
@@ -88,6 +91,27 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # ---- colocated placement: the trainer gets the device between rollouts (docs/design.md §13) -------
+    def sleep(self) -> int:
+        """Free the KV caches (target's and drafter's) and captured graphs; returns the bytes freed. Weights stay.
+        Only between rollouts: a sleeping engine holds no running sequence. The caches grow back on demand at the
+        next request, so `wake` only has to mark the engine usable."""
+        if self.has_unfinished():
+            raise RuntimeError("engine.sleep() with unfinished requests: finish the rollout first")
+        caches = [self.kv, *self.scheduler.slot_caches]
+        freed = sum(t.numel() * t.element_size() for c in caches for t in c.k + c.v)
+        for cache in caches:
+            cache.release()
+        if self.runner.graphs is not None:
+            self.runner.graphs.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.asleep = True
+        return freed
+
+    def wake(self) -> None:
+        self.asleep = False
 
     # ---- the decode-step interface a speculator drives ------------------------------------------------------
     # A speculator (tlt.speculative.SpecDecoder) takes over decode steps through these methods only: it is told of

@@ -374,13 +374,17 @@ class GRPOTrainer:
         """trainer.num_rollout_workers > 1 (or use_ray): rollout replicas as Ray actors whose idle ones train the
         drafter (tlt/workers); otherwise the in-process engine over the very weights being trained."""
         t = self.cfg.trainer
-        if not t.use_ray and t.num_rollout_workers <= 1:
+        if not t.use_ray and t.num_rollout_workers <= 1 and t.placement == "none":
             return self.llm
         from tlt.workers.ray_rollout import SpotRollout
         from tlt.workers.rollout_worker import ReplicaConfig
         from tlt.workers.spot import SpotConfig
         rcfg = ReplicaConfig.from_config(self.cfg)
         rcfg.speculative = self._speculative_config()
+        if t.placement != "none":  # replicas on a Ray placement group's GPU bundles (tlt/workers/placement.py)
+            from tlt.workers.placement import placed_rollout_from_config
+            return placed_rollout_from_config(self.cfg, self.model, rcfg, SpotConfig.from_config(self.cfg),
+                                              self.tokenizer)
         gpu = {"num_gpus": 1} if self.device.type == "cuda" else None
         return SpotRollout(self.rollout_model, max(t.num_rollout_workers, 1), rcfg, SpotConfig.from_config(self.cfg),
                            actor_options=gpu, tokenizer=self.tokenizer)
@@ -390,7 +394,7 @@ class GRPOTrainer:
         rollout workers of tlt.workers train it on their idle replicas)."""
         c = self.cfg
         if not (c.drafter_train.enabled and c.speculative.enabled and c.speculative.method == "eagle"
-                and c.trainer.num_rollout_workers <= 1):
+                and c.trainer.num_rollout_workers <= 1 and c.trainer.placement == "none"):
             return DrafterHook()
         from tlt.drafter_train.online import OnlineDrafterHook
         return OnlineDrafterHook(c.drafter_train, self.llm.spec, seed=c.trainer.seed + self.dist.rank,

@@ -72,11 +72,14 @@ class _Step:
 class SpotRollout(SpotRolloutBase):
     def __init__(self, model, num_replicas: int = 2, replica_cfg: ReplicaConfig | None = None,
                  spot: SpotConfig | None = None, actor_options: dict | None = None, ray_init: dict | None = None,
-                 tokenizer=None, replica_cls: type[RolloutReplica] = RolloutReplica):
+                 tokenizer=None, replica_cls: type[RolloutReplica] = RolloutReplica,
+                 replica_options: Sequence[dict] | None = None, sleep_between_steps: bool = False):
         """model: HF directory (each actor loads it), or a Decoder (actors get its config, then its weights
         through the object store). actor_options: e.g. {"num_gpus": 1}; ray_init: ray.init kwargs if Ray is
         not running yet (default: a small local instance); replica_cls: the actor class (a RolloutReplica
-        subclass, e.g. a fault-injecting one in tests)."""
+        subclass, e.g. a fault-injecting one in tests); replica_options: per-replica actor options on top of
+        actor_options (tlt.workers.placement's bundles); sleep_between_steps: replicas free their KV caches
+        after each rollout and wake before the next (colocated placement: the trainer uses the GPU between)."""
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(**(ray_init or {"num_cpus": max(2, num_replicas), "include_dashboard": False}))
@@ -87,8 +90,12 @@ class SpotRollout(SpotRolloutBase):
             weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
             model = model.cfg
         remote = RayReplica if replica_cls is RolloutReplica else ray.remote(replica_cls)
-        self.actors = {r: remote.options(**opts).remote(model, r, replica_cfg, tokenizer)
+        per = list(replica_options) if replica_options is not None else [{}] * num_replicas
+        if len(per) != num_replicas:
+            raise ValueError(f"{len(per)} replica_options for {num_replicas} replicas")
+        self.actors = {r: remote.options(**{**opts, **per[r]}).remote(model, r, replica_cfg, tokenizer)
                        for r in range(num_replicas)}
+        self.sleep_between_steps = sleep_between_steps
         self.co = SpotCoordinator(list(self.actors), self.spot.min_train_tokens, self._trainer_tokens,
                                   train_every=self.spot.train_every)
         self.tokens = {r: 0 for r in self.actors}         # each replica's buffered loss tokens (last reply)
@@ -116,6 +123,16 @@ class SpotRollout(SpotRolloutBase):
             except RayActorError:
                 self.co.replica_died(r)
 
+    def _call_live(self, method: str) -> None:
+        """Call a no-argument method on every live replica and wait; a replica that died meanwhile is handled
+        as dead (its groups, if any, go elsewhere at the next step)."""
+        calls = {r: getattr(self.actors[r], method).remote() for r in self.live()}
+        for r, call in calls.items():
+            try:
+                ray.get(call)
+            except RayActorError:
+                self.co.replica_died(r)
+
     def drafter_state(self) -> dict | None:
         """The published drafter's trainable weights (None before the first publish)."""
         return None if self.drafter_ref is None else ray.get(self.drafter_ref)
@@ -131,6 +148,8 @@ class SpotRollout(SpotRolloutBase):
         if len(self._work) != len(groups):
             raise ValueError("group ids must be distinct within a step")
         st = _Step()
+        if self.sleep_between_steps:
+            self._call_live("wake")
         self._handle(self.co.begin_step(rl_step, list(self._work)), st)
         while not self.co.step_done or st.inflight:  # then drain set_drafter / stop_training replies
             if st.barrier_at is None and self.co.step_done:
@@ -150,6 +169,8 @@ class SpotRollout(SpotRolloutBase):
                             rep.drafter_steps, sum(st.harvested.values()), rep.barrier_delay_s,
                             rep.barrier_delay_steps, rep.drafter_version, st.published, st.pushes, st.refused,
                             st.accept, rep.requeued_groups, rep.dead_replicas, st.timed_out, st.failed_sessions)
+        if self.sleep_between_steps:
+            self._call_live("sleep")
         missing = [g for g in self._work if g not in st.outputs]
         if missing:
             raise RuntimeError(f"spot rollout finished without outputs for groups {missing}")

@@ -273,6 +273,15 @@ class RolloutReplica:
         return TrainResult(self.replica_id, st.steps, time.perf_counter() - t0, st.mean_step_s, st.preempted,
                            publish, before, after, st.last.loss if st.last else None)
 
+    # ---- colocated placement (docs/design.md §13) --------------------------------------------------------
+    def sleep(self) -> int:
+        """Free the engine's KV caches while the trainer on the same GPU updates; returns the bytes freed."""
+        with self._step_lock:
+            return self.llm.engine.sleep()
+
+    def wake(self) -> None:
+        self.llm.engine.wake()
+
     # ---- queries -------------------------------------------------------------------------------------------
     def num_train_tokens(self) -> int:
         return self.buffer.num_train_tokens() if self.buffer is not None else 0

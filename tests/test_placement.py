@@ -1,0 +1,87 @@
+"""Placement without Ray: the bundle assignment (tlt.workers.bundles), its config errors at load, and the engine's
+sleep/wake (colocated placement frees the KV cache between rollouts; decoding after wake gives the same tokens)."""
+import pytest
+
+import tlt
+from tlt.config import ConfigError, load_config
+from tlt.speculative.drafter import Drafter
+from tlt.speculative.drafter_io import save_drafter
+from tlt.workers.bundles import assign_bundles
+
+
+def test_colocated_puts_a_rank_and_a_replica_on_every_bundle():
+    a = assign_bundles("colocated", nnodes=2, n_gpus_per_node=4)
+    assert a.num_bundles == 8
+    assert a.trainer_bundles == a.rollout_bundles == list(range(8))
+    assert a.trainer_gpu + a.rollout_gpu <= 1
+
+
+@pytest.mark.parametrize("rollout_gpus, trainer, rollout", [(None, [0, 1, 2, 3], [4, 5, 6, 7]),
+                                                            (2, [0, 1, 2, 3, 4, 5], [6, 7]),
+                                                            (7, [0], [1, 2, 3, 4, 5, 6, 7])])
+def test_disaggregated_splits_the_bundles(rollout_gpus, trainer, rollout):
+    a = assign_bundles("disaggregated", nnodes=1, n_gpus_per_node=8, rollout_gpus=rollout_gpus)
+    assert (a.trainer_bundles, a.rollout_bundles) == (trainer, rollout)
+    assert not set(a.trainer_bundles) & set(a.rollout_bundles) and a.trainer_gpu == a.rollout_gpu == 1
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["trainer.placement=disaggregated", "trainer.n_gpus_per_node=4", "trainer.rollout_gpus=5"], "rollout_gpus"),
+    (["trainer.placement=disaggregated", "trainer.n_gpus_per_node=4", "trainer.rollout_gpus=4"], "rollout_gpus"),
+    (["trainer.placement=disaggregated", "trainer.n_gpus_per_node=1"], "needs >= 2 GPUs"),
+    (["trainer.placement=colocated", "trainer.n_gpus_per_node=3", "data.train_batch_size=8"],
+     "data.train_batch_size=8 does not divide over 3 trainer ranks"),
+    (["trainer.placement=disaggregated", "trainer.n_gpus_per_node=8", "trainer.rollout_gpus=3",
+      "data.train_batch_size=5", "rollout.n=1"], "do not divide over 3 rollout replicas"),
+    (["trainer.placement=colocated", "trainer.n_gpus_per_node=2", "trainer.num_rollout_workers=3"],
+     "num_rollout_workers"),
+    (["trainer.placement=colocated", "trainer.n_gpus_per_node=2", "trainer.rollout_gpus=1"], "rollout_gpus"),
+])
+def test_placement_errors_at_config_load(overrides, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, overrides)
+
+
+def test_a_placement_that_fits_loads():  # control for the errors above
+    cfg = load_config(None, ["trainer.placement=disaggregated", "trainer.nnodes=2", "trainer.n_gpus_per_node=4",
+                             "trainer.rollout_gpus=2", "data.train_batch_size=6", "rollout.n=4"])
+    assert cfg.trainer.rollout_gpus == 2
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_engine_sleep_frees_the_kv_cache_and_wake_decodes_the_same(tiny_llama_dir, tmp_path, speculative):
+    spec = None
+    if speculative:
+        llm0 = tlt.LLM(tiny_llama_dir, dtype="float32")
+        save_drafter(Drafter(llm0.model.cfg), tmp_path / "d")
+        spec = dict(method="eagle", bs_threshold=None, adaptive=False, num_speculative_tokens=3,
+                    model=str(tmp_path / "d"))
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=4, speculative_config=spec)
+    prompts = [[1 + i, 7, 3 + i] for i in range(6)]
+    greedy = tlt.SamplingParams(temperature=0, max_tokens=24)
+    sampled = tlt.SamplingParams(temperature=1.0, max_tokens=24, seed=5)
+    first = [[o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=p)]
+             for p in (greedy, sampled)]
+    engine = llm.engine
+    caches = [engine.kv, *engine.scheduler.slot_caches]
+    assert len(caches) == (2 if speculative else 1) and all(c.k for c in caches)
+    kv_refs = [t for c in caches for t in c.k + c.v]
+    freed = engine.sleep()
+    assert freed == sum(t.numel() * t.element_size() for t in kv_refs) > 0
+    assert all(c.k == [] and c.v == [] and c.capacity == 0 for c in caches)
+    del kv_refs
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.generate(prompt_token_ids=prompts, sampling_params=greedy)
+    engine.wake()
+    again = [[o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=p)]
+             for p in (greedy, sampled)]
+    assert again == first
+    assert all(c.k for c in caches)  # grown back on demand
+
+
+def test_sleep_refuses_mid_rollout(tiny_llama_dir):
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32")
+    llm.engine.add_request([1, 2, 3], tlt.SamplingParams(max_tokens=4))
+    with pytest.raises(RuntimeError, match="unfinished"):
+        llm.engine.sleep()
+    assert not llm.engine.asleep

@@ -1,0 +1,55 @@
+"""The paper-scale recipes (configs/qwen7b_8gpu.yaml, configs/qwen32b_32gpu.yaml) fit 80 GB GPUs by `tlt plan`,
+planned from the shipped architecture descriptions (configs/models/*/config.json) without any weights; controls:
+the 32B recipe on 8 GPUs without FSDP, and the 7B one at 32k-token responses, do not fit and name the key."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tlt.models.decoder import Decoder
+from tlt.models.loader import read_config
+from tlt.plan import main
+
+ROOT = Path(__file__).resolve().parent.parent
+H100 = "80GB"  # 80e9 bytes: below an H100's 85.5e9 (79.6 GiB) reported by CUDA
+RECIPES = [("qwen7b_8gpu.yaml", "deepseek-r1-distill-qwen-7b", 8), ("qwen32b_32gpu.yaml", "qwen2.5-32b-instruct", 32)]
+
+
+def plan(capsys, recipe: str, arch: str, *extra: str) -> tuple[int, str, str]:
+    rc = main([str(ROOT / "configs" / recipe), "--model-config", str(ROOT / "configs" / "models" / arch),
+               "--device-memory", H100, *extra])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("arch, params", [("deepseek-r1-distill-qwen-7b", 7_615_616_512),
+                                          ("qwen2.5-32b-instruct", 32_763_876_352)])
+def test_architecture_descriptions_have_the_published_size(arch, params):
+    with torch.device("meta"):
+        model = Decoder(read_config(ROOT / "configs" / "models" / arch))
+    assert sum(p.numel() for p in model.parameters()) == params
+
+
+@pytest.mark.parametrize("recipe, arch, ranks", RECIPES)
+def test_recipe_fits_80gb_per_device(capsys, recipe, arch, ranks):
+    rc, out, err = plan(capsys, recipe, arch)
+    assert rc == 0, err
+    assert f"actor.strategy=fsdp, {ranks} rank(s)" in out  # ranks from trainer.placement, nnodes, n_gpus_per_node
+    total_mib = float(re.search(r"^total\s+([0-9.]+)$", out, re.M).group(1))
+    assert 0 < total_mib * 2**20 <= 80e9
+    assert re.search(r"^kv cache\s+[1-9]", out, re.M) and re.search(r"^drafter\s+[1-9]", out, re.M)
+
+
+def test_32b_on_8_gpus_without_fsdp_fails_naming_the_key(capsys):
+    rc, _, err = plan(capsys, "qwen32b_32gpu.yaml", "qwen2.5-32b-instruct", "actor.strategy=ddp",
+                      "trainer.nnodes=1", "trainer.n_gpus_per_node=8")
+    assert rc == 2 and "does not fit" in err and "change actor.strategy=fsdp" in err
+
+
+def test_7b_at_32k_responses_fails_naming_the_response_length(capsys):
+    rc, _, err = plan(capsys, "qwen7b_8gpu.yaml", "deepseek-r1-distill-qwen-7b", "data.max_response_length=32768",
+                      "rollout.max_num_seqs=1")
+    assert rc == 2 and "largest part is activations" in err and "data.max_response_length" in err
