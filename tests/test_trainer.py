@@ -6,6 +6,7 @@ keeps the ranks identical.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -573,6 +574,41 @@ def test_update_gradient_is_bitwise_reproducible_with_threads(tmp_path):
         torch.set_num_threads(threads)
     for other in grads[1:]:
         assert all(torch.equal(a, b) for a, b in zip(grads[0], other))
+
+
+def test_chunked_log_probs_equal_the_whole_micro_batch(tmp_path):
+    """actor.logprob_chunk_tokens: the LM head and log-softmax run a chunk of tokens at a time, recomputed in the
+    backward; log-probs, entropies and gradients equal the unchunked ones. Control: chunks that drop the
+    temperature differ."""
+    from tests.conftest import make_tiny_checkpoint
+    from tlt.models import load_model
+    from tlt.rl.actor import pack_layout, response_log_probs
+    from tlt.rl.rollout import ActorBatch
+    g = torch.Generator().manual_seed(5)
+    N, P, R = 6, 5, 20
+    ids = torch.randint(1, 100, (N, P + R), generator=g)
+    resp = torch.randint(1, R + 1, (N,), generator=g)
+    mask = (torch.arange(R)[None] < resp[:, None]).float()
+    batch = ActorBatch(ids, torch.full((N,), P), resp, mask, torch.zeros(N, R), mask, torch.zeros(N, dtype=torch.long),
+                       0.7)
+    model = load_model(make_tiny_checkpoint(tmp_path / "m"), dtype=torch.float32, device="cpu")
+    weights = torch.randn(N, R, generator=g)
+
+    def run(chunk, temperature=0.7):
+        model.zero_grad(set_to_none=True)
+        b = dataclasses.replace(batch, temperature=temperature)
+        lp, ent = response_log_probs(model, b, with_entropy=True, layout=pack_layout(b, [1] * N), chunk_tokens=chunk)
+        ((lp + 0.1 * ent) * weights).sum().backward()
+        return lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]
+
+    whole = run(None)
+    for chunk in (7, 16):
+        lp, ent, grads = run(chunk)
+        torch.testing.assert_close(lp, whole[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(ent, whole[1], rtol=0, atol=1e-6)
+        for a, b in zip(grads, whole[2]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert (run(7, temperature=1.0)[0] - whole[0]).abs().max() > 1e-3  # control
 
 
 def test_bf16_rollout_copy_follows_the_fp32_policy(tmp_path, tiny_dir):

@@ -100,6 +100,10 @@ class ActorConfig:
                                                 "copy, synced from the shards)")
     gradient_checkpointing: bool = _f(False, "recompute each decoder layer's activations in the backward (less memory, "
                                              "~1 more forward)")
+    logprob_chunk_tokens: int | None = _f(None, "run the LM head and log-softmax on this many response tokens at a "
+                                                "time, recomputed in the backward: one chunk's [tokens, vocab] fp32 "
+                                                "tensors instead of the micro-batch's (long responses); null = all "
+                                                "at once", ge=1)
     fsdp_offload: bool = _f(False, "strategy=fsdp: keep parameter, gradient and optimiser shards in CPU memory "
                                    "(FSDP2 CPUOffloadPolicy; CUDA only)")
     on_policy_logprobs: bool = _f(True, "the first mini-batch of the first epoch (the whole update when ppo_epochs=1 "

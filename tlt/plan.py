@@ -86,9 +86,13 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int) -> Plan:
     per_layer = (4 * H + 2 * qkv + 3 * inter) * compute
     kept = m.num_layers * (H * compute if a.gradient_checkpointing else per_layer) + \
         (per_layer if a.gradient_checkpointing else 0)
-    logits = 3 * m.vocab_size * 4  # fp32 logits, log-softmax and its gradient, per response token
-    rows.append(("activations", T * (kept + logits), "actor.ppo_max_token_len or data.max_response_length "
-                                                "(or actor.gradient_checkpointing)"))
+    # fp32 logits, log-softmax and its gradient per response token: for one chunk at a time with
+    # actor.logprob_chunk_tokens (plus a log-prob and its gradient per token)
+    vocab = 3 * m.vocab_size * 4
+    chunk = min(T, a.logprob_chunk_tokens or T)
+    rows.append(("activations", T * kept + chunk * vocab + T * 8 * (chunk < T),
+                 "actor.logprob_chunk_tokens, actor.ppo_max_token_len or data.max_response_length "
+                 "(or actor.gradient_checkpointing)"))
     kv_width = 2 if cfg.rollout_dtype() == "bfloat16" else 4
     max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     kv = cfg.rollout.max_num_seqs * max_len * m.num_layers * 2 * m.num_kv_heads * m.head_dim * kv_width

@@ -157,14 +157,17 @@ def pack_layout(batch: ActorBatch, sizes: list[int]) -> Layout:
 
 
 def response_log_probs(model: Decoder, batch: ActorBatch, with_entropy: bool = False, entropy_grad: bool = True,
-                       layout: Layout | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       layout: Layout | None = None, chunk_tokens: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / T) of each response token -> ([n, R], entropy [n, R] or None).
 
     The logit at position t predicts token t + 1, so response token j (at position p + j) is scored by the hidden
     state at p + j - 1 (`layout.src`; default layout: one response a row). Only the states of real response
     tokens go through the LM head ([M, V] for M response tokens, no padding). Memory: [M, V] fp32 tensors dominate
     the update, so one log-softmax serves both outputs, the temperature is divided in place, and with
-    entropy_grad=False (entropy only as a metric) the entropy keeps no graph.
+    entropy_grad=False (entropy only as a metric) the entropy keeps no graph. chunk_tokens (actor.
+    logprob_chunk_tokens): the LM head runs on that many tokens at a time under activation checkpointing, so only
+    one chunk's [C, V] tensors exist at once, in the forward and again in the backward (which recomputes them).
     """
     n, r = batch.response_mask.shape
     layout = layout or pack_layout(batch, [1] * n)
@@ -175,19 +178,38 @@ def response_log_probs(model: Decoder, batch: ActorBatch, with_entropy: bool = F
     # order; index_select's backward (index_add_) sums them in a fixed order, so the update is reproducible.
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, layout.src[valid])
     t = batch.temperature if batch.temperature > 0 else 1.0
-    logits = model.logits(h)  # [M, V] fp32, a fresh tensor: safe to scale in place
-    if t != 1.0:
-        logits.div_(t)
-    logp = logits.log_softmax(-1)
-    del logits
-    log_probs = logp.new_zeros(n, r)
-    log_probs[valid] = logp.gather(-1, layout.tgt[valid][:, None])[:, 0]
+    tgt = layout.tgt[valid]
+    entropy_grad = with_entropy and entropy_grad and torch.is_grad_enabled()
+    if chunk_tokens is None or h.shape[0] <= chunk_tokens:
+        lp, ent = _token_log_probs(model, h, tgt, t, with_entropy, entropy_grad)
+    else:
+        from torch.utils.checkpoint import checkpoint
+        parts = [checkpoint(_token_log_probs, model, h[i:i + chunk_tokens], tgt[i:i + chunk_tokens], t, with_entropy,
+                            entropy_grad, use_reentrant=False) for i in range(0, h.shape[0], chunk_tokens)]
+        lp = torch.cat([p[0] for p in parts])
+        ent = torch.cat([p[1] for p in parts]) if with_entropy else None
+    log_probs = lp.new_zeros(n, r)
+    log_probs[valid] = lp
     entropy = None
     if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = logp.new_zeros(n, r)
-            entropy[valid] = entropy_from_log_probs(logp)
+        entropy = ent.new_zeros(n, r)
+        entropy[valid] = ent
     return log_probs, entropy
+
+
+def _token_log_probs(model: Decoder, h: torch.Tensor, tgt: torch.Tensor, temperature: float, with_entropy: bool,
+                     entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """h [M, H], tgt [M] -> (log softmax(logits / T) at tgt [M], entropy [M] or None)."""
+    logits = model.logits(h)  # [M, V] fp32, a fresh tensor: safe to scale in place
+    if temperature != 1.0:
+        logits.div_(temperature)
+    logp = logits.log_softmax(-1)
+    del logits
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad):
+            entropy = entropy_from_log_probs(logp)
+    return logp.gather(-1, tgt[:, None])[:, 0], entropy
 
 
 class Actor:
@@ -262,7 +284,8 @@ class Actor:
         num_idle = self._num_idle(model, len(micro))
         with self.autocast():
             for chunk, mb, layout in micro:
-                lp = response_log_probs(model, mb, layout=layout)[0].float()
+                lp = response_log_probs(model, mb, layout=layout,
+                                        chunk_tokens=self.cfg.logprob_chunk_tokens)[0].float()
                 out[chunk, :lp.shape[1]] = lp
             for _ in range(num_idle):
                 fsdp.idle_micro_batch(model, backward=False)
@@ -311,7 +334,8 @@ class Actor:
         for chunk, mb, layout in micro:
             with self.autocast():
                 log_probs, entropy = response_log_probs(self.model, mb, with_entropy=True,
-                                                        entropy_grad=bool(self.cfg.entropy_coeff), layout=layout)
+                                                        entropy_grad=bool(self.cfg.entropy_coeff), layout=layout,
+                                                        chunk_tokens=self.cfg.logprob_chunk_tokens)
             if on_policy:
                 mb.old_log_probs = log_probs.detach().float()
                 batch.old_log_probs[[rows[i] for i in chunk], :mb.old_log_probs.shape[1]] = mb.old_log_probs
