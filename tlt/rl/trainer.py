@@ -183,6 +183,7 @@ class GRPOTrainer:
                         batch.ref_log_probs = self.actor.compute_log_probs(batch, self.ref_model)
                 with timer("update_actor"):
                     step_metrics.update(self.actor.update(batch, self.num_mini_batches))
+                with timer("weight_sync"):
                     self.sync_rollout_weights()
                 fault_point("update", step)
                 step_metrics.update(self.logprob_diff(batch, engine_log_probs, trainer_rows))
@@ -320,6 +321,7 @@ class GRPOTrainer:
         out.update(rollout_metrics(*cols))
         num_tokens = sum(cols[2]) + sum(cols[3])
         out["throughput/tokens_per_s"] = num_tokens / max(out["timing_s/step"], 1e-9)
+        out["timing_s/rollout_fraction"] = out.get("timing_s/gen", 0.0) / max(out["timing_s/step"], 1e-9)
         out["data/num_filtered_prompts"] = float(self.train_data.num_filtered)
         return out
 
