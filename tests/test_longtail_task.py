@@ -77,3 +77,22 @@ def test_recipe_config_loads_and_points_at_the_shipped_data():
     assert cfg.rollout.temperature == 1.0
     shipped = [json.loads(line) for line in (root / cfg.data.train_files[0]).read_text().splitlines()]
     assert shipped == list(make_examples("train", len(shipped), seed=0))  # regenerable from the documented command
+
+
+def test_recipe_warms_up_a_stronger_drafter_on_its_own_data(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    import tlt.drafter_train.offline as offline
+    import tlt.models.smollm as smollm
+    from tlt.config import load_config
+    from tlt.rl.trainer import DistInfo, prepare_config
+    root = Path(__file__).resolve().parents[1]
+    seen = {}
+    monkeypatch.setattr(smollm, "default_model_path", lambda: tmp_path / "SmolLM2-135M-Instruct")
+    monkeypatch.setattr(offline, "default_drafter_path", lambda path, build: seen.setdefault("build", build))
+    cfg = load_config(str(root / "configs" / "gpu_longtail.yaml"))
+    prepare_config(cfg, DistInfo(rank=0, world_size=1))
+    build = seen["build"]
+    assert (build["num_prompts"], build["n"], build["max_tokens"], build["steps"]) == (256, 4, 1024, 2000)
+    assert build["temperatures"] == "1.0" and build["data"] == "configs/longtail_data/train.jsonl"
+    assert offline.drafter_cache_dir("m", build) != offline.drafter_cache_dir("m", offline.DEFAULT_BUILD)
