@@ -41,20 +41,20 @@ if [ "$CPU" = 1 ]; then   # tiny scale on CPU: checks every command and path, me
     E2E_ARGS="--steps 1 --modes off,adaptive data.train_batch_size=2 rollout.n=2 data.max_response_length=8
               data.max_prompt_length=1280 drafter_train.min_buffer_tokens=0 drafter_train.batch_tokens=128
               drafter_train.window_len=64 actor.ppo_mini_batch_size=2 actor.ppo_max_token_len=4096"
-else                      # sized so that the timeouts below sum to under 10 minutes
+else                      # sized so that the timeouts below (plus 5 s grace each) sum to under 10 minutes
     DEVICE=cuda; DTYPE=bfloat16; SHAPE=smollm2-135m
-    T_TESTS=120; T_MODEL=40; T_DRAFTER=70; T_DECODE=60; T_SPEC=80; T_ROLLOUT=90; T_E2E=110
+    T_TESTS=100; T_MODEL=40; T_DRAFTER=70; T_DECODE=60; T_SPEC=80; T_ROLLOUT=90; T_E2E=110
     DRAFTER_ARGS="--num-prompts 64 --n 2 --max-tokens 256 --steps 200 --batch-tokens 4096 --window-len 512"
     DECODE_ARGS="--batch-sizes 1,16,64,256 --max-tokens 128 --repeats 2 --no-hf"
     SPEC_ARGS="--batch-sizes 1,8,32 --max-tokens 128 --repeats 2 --skip-hf"
     ROLLOUT_ARGS="--prompts 32 --n 8 --max-tokens 512 --modes off,always,adaptive"
-    E2E_ARGS="--steps 2 --modes off,adaptive data.max_response_length=512 trainer.total_steps=2"
+    E2E_ARGS="--steps 2 --modes off,adaptive data.train_batch_size=16 data.max_response_length=512"
 fi
 
 run() {  # run NAME SECONDS CMD...: log, exit status and final JSON line of one command, under a hard timeout
     local name=$1 limit=$2; shift 2
     echo "== $name (timeout ${limit}s): $*"
-    timeout --kill-after=10 "$limit" "$@" >"$RESULTS/$name.log" 2>&1
+    timeout --kill-after=5 "$limit" "$@" >"$RESULTS/$name.log" 2>&1
     local rc=$?
     echo "$rc" >"$RESULTS/$name.rc"
     grep '^{' "$RESULTS/$name.log" | tail -n 1 >"$RESULTS/$name.json"
