@@ -60,10 +60,10 @@ def make_examples(split: str, n: int, seed: int, spec: SortTaskSpec = SortTaskSp
 
 
 def to_row(numbers: list[int], split: str, index: int) -> dict:
-    question = f"{', '.join(map(str, numbers))}"
+    listed = ", ".join(map(str, numbers))
     return {
         "data_source": DATA_SOURCE,
-        "prompt": [{"role": "user", "content": f"{INSTRUCTION}\nNumbers: {question}"}],
+        "prompt": [{"role": "user", "content": f"{INSTRUCTION}\nNumbers: {listed}"}],
         "ability": "sorting",
         "reward_model": {"style": "rule", "ground_truth": ", ".join(map(str, sorted(numbers)))},
         "extra_info": {"split": split, "index": index, "generator": "number_sorting", "size": len(numbers)},
