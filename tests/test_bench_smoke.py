@@ -71,3 +71,19 @@ def test_trl_bench_per_token_time():
     assert seconds_per_ktok([40.0, 30.0, 60.0], [62.5, 31.25, 125.0], 16) == 40.0
     assert seconds_per_ktok([40.0, 30.0], [None, 62.5], 16) == 30.0  # a step without a length is left out
     assert seconds_per_ktok([40.0], [None], 16) is None
+
+
+def test_rollout_on_the_longtail_task_prints_the_oracle_bound_beside_accept_length(tmp_path, capsys):
+    from tlt.bench import rollout
+    from tlt.bench.random_model import build_random_model
+    model_dir = str(build_random_model("tiny", tmp_path / "tiny", dtype="float32"))
+    assert rollout.main(["--quick", "--model", model_dir, "--task", "longtail", "--device", "cpu",
+                         "--modes", "off,ngram", "--depth", "3"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert any("oracle_chain" in line and "accept_max" in line for line in out)
+    modes = json.loads(out[-1])["modes"]
+    assert "accept_max" not in modes["off"]                            # no SD, no bound to show
+    ngram = modes["ngram"]
+    assert ngram["accept_max"] == 4
+    assert 1.0 <= ngram["oracle_chain"] <= ngram["oracle_tree4"] <= 4.0
+    assert ngram["accept_len"] <= ngram["accept_max"]

@@ -94,3 +94,22 @@ def test_verl_rows_get_the_chat_template(tmp_path):
     assert ids[1] == [ord(c) % 128 for c in "<user>q1<assistant>"]
     with pytest.raises(ValueError, match="no tokenizer"):
         offline.load_prompts(offline.OfflineConfig(data=str(path)), None)
+
+
+def test_warmup_keys_choose_the_build_and_its_own_cache_dir(tiny, tmp_path, monkeypatch):
+    from tlt.config import DrafterTrainConfig
+    model_dir, data = tiny
+    monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
+    default = offline.warmup_build(DrafterTrainConfig())
+    assert offline.drafter_cache_dir(model_dir, default) == tmp_path / "cache" / "drafters" / "tiny"  # as before
+    strong_cfg = DrafterTrainConfig(warmup_num_prompts=6, warmup_samples_per_prompt=2, warmup_max_tokens=8,
+                                    warmup_steps=3, warmup_temperatures=[0.7])
+    strong = offline.warmup_build(strong_cfg, data) | dict(draft_vocab=0, batch_tokens=64, window_len=16,
+                                                          holdout_every=4, amp="none", dtype="float32")
+    assert (strong["num_prompts"], strong["n"], strong["max_tokens"], strong["steps"], strong["temperatures"]) == \
+        (6, 2, 8, 3, "0.7")
+    path = offline.default_drafter_path(model_dir, strong)
+    assert path.parent == tmp_path / "cache" / "drafters" and path.name.startswith("tiny-")  # not the default's
+    prov = json.loads((path / "provenance.json").read_text())
+    assert prov["num_samples"] == 12 and prov["steps"] == 3 and prov["config"]["temperatures"] == "0.7"
+    assert offline.default_drafter_path(model_dir, dict(strong)) == path  # same build, same cache entry

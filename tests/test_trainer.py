@@ -161,9 +161,19 @@ def test_metrics_have_verl_names(tmp_path, tiny_dir):
                 "response_length/p90", "response_length/clip_ratio", "prompt_length/mean", "timing_s/gen",
                 "timing_s/reward", "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/step",
                 "timing_s/testing", "throughput/tokens_per_s", "rollout/num_generated_tokens",
-                "rollout/logprob_max_diff", "data/num_filtered_prompts", "val/accuracy", "reward/num_errors"}
+                "rollout/logprob_max_diff", "data/num_filtered_prompts", "val/accuracy", "reward/num_errors",
+                "response_length/p90_over_p50", "response_length/max_over_p50", "timing_s/ref",
+                "timing_s/weight_sync", "timing_s/drafter", "timing_s/rollout_fraction"}
     missing = expected - set(lines[-1])
     assert not missing, f"missing metrics: {sorted(missing)}"
+    for m in lines[1:]:
+        phases = ("gen", "reward", "old_log_prob", "ref", "update_actor", "weight_sync", "drafter", "testing")
+        assert sum(m.get(f"timing_s/{p}", 0.0) for p in phases) <= m["timing_s/step"] + 1e-6
+        assert m["timing_s/rollout_fraction"] == pytest.approx(m["timing_s/gen"] / m["timing_s/step"])
+        assert 0 < m["timing_s/rollout_fraction"] < 1
+        p50 = max(m["response_length/p50"], 1.0)
+        assert m["response_length/max_over_p50"] == pytest.approx(m["response_length/max"] / p50)
+        assert m["response_length/p90_over_p50"] == pytest.approx(m["response_length/p90"] / p50)
     # fp32 engine and fp32 trainer forward on the same weights: the engine's log-probs are the old policy's
     assert lines[1]["rollout/logprob_max_diff"] < 1e-4
     assert any(p.name.startswith("events") for p in (trainer.run_dir / "tensorboard").iterdir())

@@ -144,6 +144,14 @@ class DrafterTrainConfig:
     holdout_fraction: float = _f(0.05, "fraction of samples held out for acceptance metrics", ge=0, le=0.5)
     compare_drafters: bool = _f(True, "score online vs frozen warm-start vs n-gram drafters on each step's "
                                       "held-out responses (drafter/compare/*)")
+    warmup_num_prompts: int = _f(64, "warm-up drafter (built once and cached when speculative.model is null with the "
+                                     "default model): training prompts, the first N of the run's train file (the "
+                                     "default task's for the default data)", ge=1)
+    warmup_samples_per_prompt: int = _f(1, "warm-up drafter: the target's samples per prompt and temperature", ge=1)
+    warmup_max_tokens: int = _f(128, "warm-up drafter: max tokens per sample", ge=1)
+    warmup_steps: int = _f(80, "warm-up drafter: optimiser steps", ge=1)
+    warmup_temperatures: list[float] = _f([1.0], "warm-up drafter: sampling temperatures (the RL temperature is the "
+                                                 "one that matters; the default drafter's build uses 1.0)")
     spot: bool | None = _f(
         None, "in-process runs: true = train the drafter on the steps so far in a thread alongside the next rollout, "
                 "on compute the rollout leaves idle (TLT's spot training; published after that rollout, so drafts "

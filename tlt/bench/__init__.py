@@ -13,7 +13,7 @@ import importlib
 import pkgutil
 import sys
 
-HELPERS = {"common"}  # modules here that are not benchmarks
+HELPERS = {"common", "random_model"}  # modules here that are not benchmarks
 
 
 def available() -> list[str]:

@@ -7,9 +7,18 @@ import time
 from typing import Callable
 
 
-def default_task_prompt_ids(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
-    """Chat-templated prompts of the embedded default task (what rollouts see)."""
-    from tlt.tasks.default_task import make_examples
+TASKS = ("default", "longtail")  # the benchmarks' prompt sets: tlt.tasks.default_task, tlt.tasks.longtail_sort
+
+
+def default_task_prompt_ids(tokenizer, n: int, seed: int = 0, task: str = "default") -> list[list[int]]:
+    """Chat-templated prompts of a built-in task (what rollouts see): the default task (needs reasoning-gym) or
+    the long-tail sorting task (tlt's own generator)."""
+    if task == "longtail":
+        from tlt.tasks.longtail_sort import make_examples
+    elif task == "default":
+        from tlt.tasks.default_task import make_examples
+    else:
+        raise ValueError(f"unknown task {task!r}: use one of {TASKS}")
     rows = list(make_examples("train", n, seed))
     out = []
     for r in rows:

@@ -28,7 +28,7 @@ import time
 import torch
 
 import tlt
-from tlt.bench.common import default_task_prompt_ids, print_json_line, print_table
+from tlt.bench.common import TASKS, default_task_prompt_ids, print_json_line, print_table
 from tlt.device import resolve_device, resolve_dtype
 
 MODES = ("off", "always", "adaptive", "ngram")  # the default set; also always_rej, adaptive_rej (acceptance=rejection)
@@ -77,6 +77,17 @@ def summarize(runs: list[dict]) -> dict:
             "accept_by_bucket": st.get("spec_accept_length_by_bucket"), "arm_counts": st.get("spec_arm_counts")}
 
 
+ORACLE_SAMPLE = 16  # responses the oracle bound is estimated on (one target forward each)
+
+
+def oracle_bound(model, prompts: list[list[int]], runs: dict[str, list[dict]], a) -> dict[int, float]:
+    """oracle_accept_bound of tlt bench spec on the first mode's first run (plain decoding's, when timed)."""
+    from tlt.bench.spec import oracle_accept_bound
+    first = runs.get("off") or next(iter(runs.values()))
+    pairs = [(prompts[i // a.n], list(ids)) for i, ids in enumerate(first[0]["ids"][:ORACLE_SAMPLE])]
+    return oracle_accept_bound(model, pairs, a.depth, topks=(1, 4))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tlt bench rollout", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M-Instruct)")
@@ -95,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or auto (bf16 where fast)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (tlt.LLM(enforce_eager=True))")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--task", default="default", choices=TASKS,
+                    help="prompt set: default (the default task) or longtail (tlt.tasks.longtail_sort)")
     ap.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
     a = ap.parse_args(argv)
     if a.quick:
@@ -114,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             drafter, note = str(cached), f"cached warm-up drafter {cached}"
         else:
             note = f"no warm-up drafter at {cached}: EAGLE modes skipped, n-gram only"
-    prompts = default_task_prompt_ids(tok, a.prompts, seed=a.seed)
+    prompts = default_task_prompt_ids(tok, a.prompts, seed=a.seed, task=a.task)
     wanted = a.modes.split(",")
     configs = {m: c for m, c in spec_configs(drafter, a.depth, a.bs_threshold).items() if m in wanted}
     max_len = max(map(len, prompts)) + a.max_tokens
@@ -132,12 +145,20 @@ def main(argv: list[str] | None = None) -> int:
             v["same_as_off"] = sum(x == y for x, y in pairs) / len(pairs)
             v["speedup"] = statistics.median(o["wall_s"] / r["wall_s"] for r, o in zip(runs[m], runs["off"]))
         v["tok_x"] = v["tok_s"] / base_tok_s if base_tok_s else None
+    bound = oracle_bound(model, prompts, runs, a)
+    for m, v in res.items():
+        if v["accept_len"] is not None:
+            v["accept_max"], v["oracle_chain"], v["oracle_tree4"] = a.depth + 1, bound.get(1), bound.get(4)
     print(f"model={model_dir} device={device} dtype={a.dtype} prompts={a.prompts} n={a.n} "
           f"max_tokens={a.max_tokens} temperature=1.0 threads={a.threads} repeats={a.repeats} (median wall, new "
           f"seeds each repeat; speedup: median paired ratio; tokens: median) | {note}")
     print_table([{"mode": m, **v} for m, v in res.items()],
                 ["mode", "wall_s", "spread", "speedup", "tokens", "same_as_off", "tok_s", "tok_x", "decode_steps",
-                 "len_p50", "len_max", "accept_len", "sd_on", "bulk_s", "tail_s"])
+                 "len_p50", "len_max", "accept_len", "oracle_chain", "oracle_tree4", "accept_max", "sd_on", "bulk_s",
+                 "tail_s"])
+    print(f"accept_max: depth + 1; oracle_chain / oracle_tree4: the accept length an oracle drafter could reach at "
+          f"depth {a.depth} with 1 / 4 children per node, estimated on {ORACLE_SAMPLE} of the first run's responses "
+          f"(tlt bench spec's oracle_accept_bound)")
     buckets = sorted({b for v in res.values() for b in (v["accept_by_bucket"] or {})}, key=str)
     if buckets:
         print("\naccept length per batch-size bucket:")

@@ -17,8 +17,8 @@ import sys
 import torch
 
 import tlt
-from tlt.bench.common import (default_task_prompt_ids, interleaved_times, median_time, paired_speedup, print_json_line,
-                              print_table)
+from tlt.bench.common import (TASKS, default_task_prompt_ids, interleaved_times, median_time, paired_speedup,
+                              print_json_line, print_table)
 from tlt.device import resolve_device, resolve_dtype
 
 
@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--task", default="default", choices=TASKS,
+                    help="prompt set: default (the default task) or longtail (tlt.tasks.longtail_sort)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
     a = ap.parse_args(argv)
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             from tlt.drafter_train.offline import default_drafter_path
             drafter = str(default_drafter_path(model_dir))
     sizes = [int(x) for x in a.batch_sizes.split(",")]
-    prompts = default_task_prompt_ids(tok, max(sizes), seed=a.seed + 1000)
+    prompts = default_task_prompt_ids(tok, max(sizes), seed=a.seed + 1000, task=a.task)
     rows, results, pairs = [], {}, []
     for bs in sizes:
         bs_rows, bs_pairs = run_ours(model, tok, prompts, bs, strategies(drafter, a.depth), a.max_tokens, a.repeats,

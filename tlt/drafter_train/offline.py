@@ -217,26 +217,48 @@ def _metrics_table(before: dict, after: dict) -> str:
 DEFAULT_BUILD = dict(num_prompts=64, max_tokens=128, steps=80, draft_vocab=8192, threads=1)
 
 
-def drafter_cache_dir(model_path: str | Path) -> Path:
-    return cache_root() / "drafters" / Path(model_path).name
+def warmup_build(dt, data: str | None = None) -> dict:
+    """OfflineConfig fields of the warm-up drafter that a DrafterTrainConfig's warmup_* keys ask for, on `data`
+    (None: the default task). The keys' defaults give DEFAULT_BUILD; larger values give a stronger drafter (more of
+    the target's own samples, longer responses, more steps)."""
+    build = dict(DEFAULT_BUILD, num_prompts=dt.warmup_num_prompts, n=dt.warmup_samples_per_prompt,
+                 max_tokens=dt.warmup_max_tokens, steps=dt.warmup_steps,
+                 temperatures=",".join(map(str, dt.warmup_temperatures)))
+    return build | ({"data": data} if data else {})
 
 
-def default_drafter_path(model_path: str | Path | None = None) -> Path:
-    """Directory of the cached warm-up drafter for `model_path` (default: SmolLM2-135M-Instruct); built on the
-    first call (temp dir + rename, so a crash or a concurrent builder never leaves a half-written drafter)."""
+def drafter_cache_dir(model_path: str | Path, build: dict | None = None) -> Path:
+    """The default build's drafter is <cache>/drafters/<model name>; any other build's gets a suffix of its own."""
+    name = Path(model_path).name
+    if build is not None and _canonical(build) != _canonical(DEFAULT_BUILD):
+        name += "-" + hashlib.sha256(json.dumps(_canonical(build), sort_keys=True).encode()).hexdigest()[:10]
+    return cache_root() / "drafters" / name
+
+
+def _canonical(build: dict) -> dict:
+    """A build with OfflineConfig's defaults filled in, so that equal builds compare equal however spelled."""
+    return {k: v for k, v in dataclasses.asdict(OfflineConfig(**build)).items() if k not in ("out", "model")}
+
+
+def default_drafter_path(model_path: str | Path | None = None, build: dict | None = None) -> Path:
+    """Directory of the cached warm-up drafter for `model_path` (default: SmolLM2-135M-Instruct) built with
+    `build` (OfflineConfig fields; default DEFAULT_BUILD); built on the first call (temp dir + rename, so a crash
+    or a concurrent builder never leaves a half-written drafter)."""
     if model_path is None:
         from tlt.models.smollm import default_model_path
         model_path = default_model_path()
     model_path = Path(model_path)
-    out = drafter_cache_dir(model_path)
+    build = DEFAULT_BUILD if build is None else build
+    out = drafter_cache_dir(model_path, build)
     if (out / "provenance.json").is_file():
         _check_same_target(out, model_path)
         return out
-    def build(tmp: Path) -> None:
-        print(f"building the default drafter for {model_path.name} into {out} (once; about two minutes on CPU)")
-        train_drafter(OfflineConfig(out=str(tmp), model=str(model_path), **DEFAULT_BUILD),
-                      command=f"tlt.drafter_train.offline.default_drafter_path({str(model_path)!r})")
-    build_atomically(out, build, lambda p: (p / "provenance.json").is_file())
+    def build_into(tmp: Path) -> None:
+        print(f"building the warm-up drafter for {model_path.name} into {out} (once; the default build takes about "
+              f"two minutes on CPU)")
+        train_drafter(OfflineConfig(out=str(tmp), model=str(model_path), **build),
+                      command=f"tlt.drafter_train.offline.default_drafter_path({str(model_path)!r}, {build!r})")
+    build_atomically(out, build_into, lambda p: (p / "provenance.json").is_file())
     _check_same_target(out, model_path)
     return out
 

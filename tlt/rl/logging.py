@@ -174,6 +174,9 @@ def rollout_metrics(scores: list[float], advantages: list[float], response_lens:
             "critic/advantages/mean": a.mean(), "critic/advantages/max": a.max(), "critic/advantages/min": a.min(),
             "response_length/mean": r.mean(), "response_length/max": r.max(), "response_length/min": r.min(),
             "response_length/p50": np.percentile(r, 50), "response_length/p90": np.percentile(r, 90),
+            # the long tail's weight: how much longer the slowest rows are than the typical one
+            "response_length/p90_over_p50": np.percentile(r, 90) / max(np.percentile(r, 50), 1.0),
+            "response_length/max_over_p50": r.max() / max(np.percentile(r, 50), 1.0),
             "response_length/clip_ratio": float(np.mean(clipped)) if clipped else 0.0,
             "prompt_length/mean": float(np.mean(prompt_lens)) if prompt_lens else 0.0}
     return {k: float(v) for k, v in out.items()}

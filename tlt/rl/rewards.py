@@ -27,8 +27,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
-from math_verify import parse, verify
-
 from tlt.config import RewardConfig
 from tlt.rl.data import PromptExample
 from tlt.rl.reward_pool import ErrorKind, FileFunction, Outcome, RewardError, RewardPool, ScoreCall, run_call
@@ -45,9 +43,9 @@ Shape = Literal["verl", "trl"]
 MAX_LOGGED_ERRORS = 3  # per score() call; all errors are still counted
 ERROR_METRICS: dict[ErrorKind, str] = {"timeout": "reward/num_timeouts", "crash": "reward/num_crashes",
                                        "exception": "reward/num_exceptions", "non_number": "reward/num_non_numbers"}
-# Imported once by the workers' forkserver: math-verify and the task scorers, and reasoning-gym, which the default
+# Imported once by the workers' forkserver: the task scorers, math-verify, and reasoning-gym, which the default
 # task's scorer imports at its first call; a worker importing it (~2 s) would spend its call's timeout on that.
-WORKER_PRELOAD = ("tlt.rl.rewards", "reasoning_gym")
+WORKER_PRELOAD = ("tlt.rl.rewards", "math_verify", "reasoning_gym")  # a missing one is skipped
 
 __all__ = ["RewardError", "RewardTimeout", "RewardFn", "RewardManager", "RewardResult", "detect_shape",
            "register_reward", "get_reward_fn", "load_custom_function", "math_score", "boxed_format_score",
@@ -177,6 +175,7 @@ def math_score(data_source: str, solution_str: str, ground_truth: str | list[str
     """1.0 if the last \\boxed{} (or, without one, the final answer math-verify finds) equals the ground truth."""
     if ground_truth is None:
         return None
+    from math_verify import parse, verify  # imported here: tasks with their own scorers run without math-verify
     boxed = last_boxed(solution_str)
     pred = parse("\\boxed{" + boxed + "}" if boxed else solution_str, parsing_timeout=None)
     if not pred:

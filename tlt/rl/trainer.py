@@ -205,6 +205,7 @@ class GRPOTrainer:
                         batch.ref_log_probs = self.actor.compute_log_probs(batch, self.ref_model)
                 with timer("update_actor"):
                     step_metrics.update(self.actor.update(batch, self.num_mini_batches))
+                with timer("weight_sync"):
                     self.sync_rollout_weights()
                 step_metrics.update(self.step_sync.metrics())
                 fault_point("update", step)
@@ -345,6 +346,7 @@ class GRPOTrainer:
         out.update(rollout_metrics(*cols))
         num_tokens = sum(cols[2]) + sum(cols[3])
         out["throughput/tokens_per_s"] = num_tokens / max(out["timing_s/step"], 1e-9)
+        out["timing_s/rollout_fraction"] = out.get("timing_s/gen", 0.0) / max(out["timing_s/step"], 1e-9)
         out["data/num_filtered_prompts"] = float(self.train_data.num_filtered)
         return out
 
@@ -498,7 +500,8 @@ def spot_training(setting: bool | None, device: torch.device, world_size: int = 
 def prepare_config(cfg: Config, info: DistInfo) -> None:
     """Resolve model.path (null = default model, tiny-random = the built-in tiny model), the default data files and
     the default drafter (default model + eagle + speculative.model=null: the cached warm-up drafter)."""
-    if not cfg.data.train_files:
+    default_data = not cfg.data.train_files
+    if default_data:
         import tlt.tasks.default_task as default_task
         out_dir = Path(cfg.trainer.default_local_dir) / "data" / "default_task"
         make = getattr(default_task, "default_datasets", None) or write_default_datasets
@@ -513,8 +516,9 @@ def prepare_config(cfg: Config, info: DistInfo) -> None:
             raise ConfigError(f"model.path is null (the default model) but it is not available: {e}") from None
         s = cfg.speculative
         if s.enabled and s.method == "eagle" and s.model is None:
-            from tlt.drafter_train.offline import default_drafter_path  # built once (~2 min on CPU), then cached
-            s.model = str(_on_main(info, lambda: default_drafter_path(cfg.model.path)))
+            from tlt.drafter_train.offline import default_drafter_path, warmup_build  # built once, then cached
+            build = warmup_build(cfg.drafter_train, None if default_data else cfg.data.train_files[0])
+            s.model = str(_on_main(info, lambda: default_drafter_path(cfg.model.path, build)))
     elif cfg.model.path == TINY_MODEL_NAME:
         from tlt.rl.tiny_model import tiny_random_model_path
         if info.is_main:

