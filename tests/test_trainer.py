@@ -698,7 +698,7 @@ def test_spot_session_trains_alongside_the_next_rollout(tmp_path, tiny_dir):
     opts = {"speculative.enabled": True, "speculative.method": "eagle", "speculative.bs_threshold": 64,
             "speculative.hysteresis_steps": 1, "drafter_train.min_buffer_tokens": 0, "drafter_train.batch_tokens": 128,
             "drafter_train.window_len": 32, "drafter_train.holdout_fraction": 0.0, "drafter_train.compare_drafters":
-            False, "speculative.close_buckets": False}  # both runs keep all their data (spot keeps it anyway)
+            False, "speculative.close_buckets": False}  # both runs keep all their data
     spot = run(tmp_path / "spot", tiny_dir, **opts, **{"drafter_train.spot": True, "trainer.total_steps": 3})
     off = run(tmp_path / "off", tiny_dir, **opts, **{"drafter_train.spot": False, "trainer.total_steps": 2})
     assert spot.drafter_hook.spot and not off.drafter_hook.spot

@@ -79,8 +79,6 @@ class OnlineDrafterHook(DrafterHook):
         self.new_tokens = 0          # loss tokens added since the last session
         self.last_train: dict[str, float] = {}
         self.spot, self.save_buffer = spot, save_buffer
-        # on idle compute the drafter's data costs the step nothing: keep it also where SD does not pay yet
-        spec.free_drafter_data = spot
         self.last_step = 0           # RL step of the newest data in the buffer
         self._pending: tuple[threading.Thread, dict] | None = None  # a spot session in flight
         self._may_run = threading.Event()  # cleared while the update runs: the spot session waits

@@ -51,7 +51,6 @@ class SpecDecoder:
         self.dcached: dict[int, int] = {}         # seq_id -> committed drafter-cache entries (positions 1..n)
         self.low_steps = 0
         self._speculating = False  # inside an SD step, whose measured time already includes its capture
-        self.free_drafter_data = False  # set by a drafter trainer on idle compute: keep its data in closed buckets
         self.drafter_version = 0
         self.reset_stats()
         engine.attach_speculator(self, slot_caches=(self.dcache,) if self.dcache is not None else ())
@@ -122,7 +121,7 @@ class SpecDecoder:
 
     def on_plain_decode(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         # keep h_t so that turning SD on costs only a drafter extend; not in a closed bucket (docs/design.md §6)
-        if self.drafter is not None and self.bandit.capturing(len(seqs)):
+        if self.drafter is not None and self.capturing(len(seqs)):
             t0 = time.perf_counter()
             for i, s in enumerate(seqs):
                 self.hist[s.seq_id][s.num_cached - 1] = hidden[i]
@@ -131,10 +130,9 @@ class SpecDecoder:
             self.charge_capture(len(seqs), dt)
 
     def capturing(self, batch_size: int) -> bool:
-        """Whether a step at this batch size hands the requests that ask for them their hidden states (drafter
-        data): not where the bandit closed the bucket because SD did not pay there, unless training on them is free
-        (`free_drafter_data`: a spot trainer on idle compute)."""
-        return self.free_drafter_data or self.bandit.capturing(batch_size)
+        """Whether a step at this batch size keeps hidden states, for drafting and for the requests that ask for
+        them (drafter data): not where the bandit closed the bucket because SD did not pay there."""
+        return self.bandit.capturing(batch_size)
 
     def charge_capture(self, batch_size: int, seconds: float) -> None:
         """Capture time of a plain step, booked against SD in its bucket (an SD step's own time includes it)."""
