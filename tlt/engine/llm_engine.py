@@ -20,6 +20,7 @@ from tlt.engine.kv_cache import KVCache
 from tlt.engine.model_runner import ModelRunner
 from tlt.engine.params import SamplingParams
 from tlt.engine.sampler import greedy, sample_from, target_logprobs, transform_logits
+from tlt.models.flex import resolve_backend
 from tlt.engine.scheduler import Scheduler
 from tlt.engine.sequence import Sequence
 from tlt.models.decoder import Decoder
@@ -39,10 +40,11 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, model: Decoder, eos_token_ids: list[int], max_num_seqs: int = 64,
                  max_model_len: int | None = None, kv_cache_tokens: int | None = None, seed: int = 0,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, attention: str = "auto"):
         self.model = model
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        model.attention_backend = resolve_backend(attention, self.device)  # decode / verify attention
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len or model.cfg.max_position_embeddings
         kv_cache_tokens = kv_cache_tokens or max_num_seqs * self.max_model_len
