@@ -86,36 +86,69 @@ def test_block_mask_skips_blocks_past_each_row(model):
     assert blocks[:, 0, 0].tolist() == [1, 6]
 
 
-@pytest.mark.parametrize("spec", [None, "chain", "tree"])
-def test_engine_greedy_flex_equals_sdpa(tiny_llama_dir, spec):
+_DRAFTERS = {}
+
+
+def _engine_outputs(path, spec, graphed=False):
+    """Greedy (tokens, log-probs) of prompts of 2..90 tokens: [sdpa engine's, flex engine's]; with `graphed` the
+    flex engine's decode / verify forwards run GraphedForward's padded static forward (uncaptured off CUDA)."""
     from tests.spec_util import quick_drafter
+    from tlt.engine.cuda_graph import GraphedForward
     from tlt.speculative.config import SpecConfig
     from tlt.speculative.spec_decoder import SpecDecoder
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (2, 90, 17, 5)]
     outs = []
-    drafter = None
     for backend in ("sdpa", "flex"):
-        llm = tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=4, attention=backend)
+        llm = tlt.LLM(path, dtype="float32", device="cpu", max_num_seqs=4, attention=backend)
         assert llm.model.attention_backend == backend
+        if graphed and backend == "flex":
+            llm.engine.runner.graphs = GraphedForward(llm.engine.model, llm.engine.kv, capture=False)
         if spec is not None:
-            drafter = drafter or quick_drafter(llm.model, steps=20, num_prompts=4, max_tokens=16)
+            if path not in _DRAFTERS:
+                _DRAFTERS[path] = quick_drafter(llm.model, steps=20, num_prompts=4, max_tokens=16)
             arm = dict(num_speculative_tokens=3) if spec == "chain" else dict(num_speculative_tokens=3, draft_topk=3,
                                                                                num_draft_tokens=8)
-            SpecDecoder(llm.engine, SpecConfig(method="eagle", bs_threshold=None, adaptive=False, **arm), drafter)
-        sp = tlt.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=True)
+            SpecDecoder(llm.engine, SpecConfig(method="eagle", bs_threshold=None, adaptive=False, **arm),
+                        _DRAFTERS[path])
+        sp = tlt.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         outs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp)])
         llm.model.attention_backend = "sdpa"
+    return outs
+
+
+@pytest.mark.parametrize("spec", [None, "chain", "tree"])
+def test_engine_greedy_flex_equals_sdpa(tiny_llama_dir, spec):
+    """Plain decoding, chain and tree speculative decoding through the engine: flex gives sdpa's tokens and
+    log-probs."""
+    outs = _engine_outputs(tiny_llama_dir, spec)
     for (ta, la), (tb, lb) in zip(*outs):
         assert ta == tb
         torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), atol=1e-5, rtol=0)
 
 
 def test_backend_resolution():
-    assert flex.resolve_backend("auto", torch.device("cpu")) == "sdpa"
-    assert flex.resolve_backend("flex", torch.device("cpu")) == "flex"
+    assert flex.resolve_backend("auto", torch.device("cpu")) == ("sdpa", True)
+    assert flex.resolve_backend("flex", torch.device("cpu")) == ("flex", True)
     with pytest.raises(ValueError, match="attention backend"):
         flex.resolve_backend("paged", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("spec", [None, "tree"])
+def test_static_padded_forward_with_flex(tiny_llama_dir, spec):
+    """The graphed forward's static shapes (padded bucket rows, masks over the whole capacity), run uncaptured on
+    CPU with flex: the same tokens and log-probs as the eager sdpa engine."""
+    outs = _engine_outputs(tiny_llama_dir, spec, graphed=True)
+    for (ta, la), (tb, lb) in zip(*outs):
+        assert ta == tb
+        torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), atol=1e-5, rtol=0)
+
+
+@cuda
+def test_auto_picks_flex_on_gpu():
+    backend, in_graphs = flex.resolve_backend("auto", torch.device("cuda"))
+    assert backend == "flex", "FlexAttention failed its probe on this GPU (see the warning)"
+    assert in_graphs, "FlexAttention's block mask did not capture into a CUDA graph (see the warning)"
 
 
 @cuda

@@ -44,7 +44,8 @@ class LLMEngine:
         self.model = model
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        model.attention_backend = resolve_backend(attention, self.device)  # decode / verify attention
+        # decode / verify attention (tlt.models.flex), and whether captured CUDA graphs may use it
+        model.attention_backend, model.flex_in_graphs = resolve_backend(attention, self.device)
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len or model.cfg.max_position_embeddings
         kv_cache_tokens = kv_cache_tokens or max_num_seqs * self.max_model_len

@@ -294,8 +294,9 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         # cached forwards of up to FLEX_MAX_QUERY new tokens: "sdpa" (bias / mask over the capacity) or "flex"
-        # (tlt.models.flex; set by the engine from rollout.attention). Graphed (static) forwards stay on sdpa.
+        # (tlt.models.flex; set by the engine from rollout.attention); flex_in_graphs: graphed (static) forwards too
         self.attention_backend = "sdpa"
+        self.flex_in_graphs = True
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -333,7 +334,7 @@ class Decoder(nn.Module):
         return self.norm(x)
 
     def _flex(self, cache: CacheView, T: int) -> bool:
-        return self.attention_backend == "flex" and not cache.static and T <= FLEX_MAX_QUERY
+        return self.attention_backend == "flex" and T <= FLEX_MAX_QUERY and (self.flex_in_graphs or not cache.static)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> fp32 logits [..., V] (a bf16 model on the bf16 kernel: its fp32 sums, not rounded to bf16)."""

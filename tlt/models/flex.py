@@ -67,23 +67,54 @@ def flex_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     return out.transpose(1, 2)
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """auto -> flex on CUDA where FlexAttention imports and runs a tiny call, else sdpa; flex -> flex (any
-    device: eager on CPU); sdpa -> sdpa. Unknown names raise ValueError."""
+def resolve_backend(name: str, device: torch.device) -> tuple[str, bool]:
+    """(backend, whether graphed forwards may use it).
+
+    auto -> flex on CUDA where FlexAttention runs a tiny call, else sdpa; flex -> flex (any device: eager on CPU);
+    sdpa -> sdpa. On CUDA, graphed forwards use flex only where a tiny block mask + flex call also captures into a
+    CUDA graph and replays right; elsewhere they stay on sdpa. Unknown names raise ValueError."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r}: choose one of {', '.join(BACKENDS)}")
-    if name != "auto":
-        if name == "flex" and not flex_available():
-            raise ValueError("attention backend 'flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
-        return name
-    if device.type != "cuda" or not flex_available():
-        return "sdpa"
-    try:  # one tiny call: a torch build whose compiled flex kernel fails falls back here, not mid-rollout
-        lens = torch.tensor([1, 3], device=device)
-        q = torch.zeros(2, 1, 2, 16, device=device)
-        kv = torch.zeros(2, 1, 8, 16, device=device)
-        flex_cache_attention(q, kv, kv, block_mask(lens, None, 1, 8))
+    if name == "flex" and not flex_available():
+        raise ValueError("attention backend 'flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
+    if device.type != "cuda":
+        return ("sdpa" if name == "auto" else name), True  # nothing is captured off CUDA
+    if name == "sdpa" or not flex_available():
+        return "sdpa", True
+    try:  # a torch build whose compiled flex kernel fails falls back here, not mid-rollout
+        _probe(device, capture=False)
     except Exception as exc:  # noqa: BLE001 - any failure means: keep the current path
+        if name == "flex":
+            raise
         warnings.warn(f"FlexAttention failed on {device} ({type(exc).__name__}: {exc}); attention stays on sdpa")
-        return "sdpa"
-    return "flex"
+        return "sdpa", True
+    try:
+        _probe(device, capture=True)
+    except Exception as exc:  # noqa: BLE001
+        warnings.warn(f"FlexAttention does not capture into a CUDA graph here ({type(exc).__name__}: {exc}); "
+                      f"graphed decode / verify forwards stay on sdpa")
+        return "flex", False
+    return "flex", True
+
+
+def _probe(device: torch.device, capture: bool) -> None:
+    """A tiny block mask + flex call (rows of 1 and 3 keys); with `capture`, built and run inside a CUDA graph
+    whose replay after new lengths must match an eager call."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(2, 1, 2, 16, generator=g).to(device)
+    k, v = (torch.randn(2, 1, 256, 16, generator=g).to(device) for _ in range(2))
+    lens = torch.tensor([1, 3], device=device)
+
+    def run():
+        return flex_cache_attention(q, k, v, block_mask(lens, None, 1, 256))
+    out = run()
+    if not capture:
+        return
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    lens.copy_(torch.tensor([200, 7]))
+    graph.replay()
+    torch.cuda.synchronize()
+    if not torch.allclose(out, run(), atol=1e-4):
+        raise RuntimeError("a replayed block mask did not follow the new lengths")
