@@ -170,3 +170,18 @@ def test_flex_matches_sdpa_on_gpu(tiny_llama_dir):
                 outs.append(m.logits(m(ids, lens[:, None] + torch.arange(T, device="cuda"), kv.view(lens, tree_mask=tree))))
         m.attention_backend = "sdpa"
         torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=0)
+
+
+def test_attention_bench_smoke(capsys):
+    """`tlt bench attention` on CPU smoke sizes: a table and a JSON line with both backends per cell (numbers
+    unchecked: benchmarks assert nothing about speed)."""
+    import json
+    from tlt.bench import attention
+    assert attention.main(["--models", "rand-tiny", "--contexts", "16,40", "--batch-sizes", "1,3", "--steps", "2",
+                           "--repeats", "1", "--layouts", "spread", "--device", "cpu"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["benchmark"] == "attention" and len(out["rows"]) == 4
+    assert all(r["sdpa_tok_s"] > 0 and r["flex_tok_s"] > 0 for r in out["rows"])
+    assert attention.row_lengths(700, 4, "spread") == [175, 350, 525, 700]
+    with pytest.raises(SystemExit, match="bad option"):
+        attention.parse_args(["--backends", "paged"])
