@@ -169,7 +169,7 @@ class Attention(nn.Module):
             kc[plan.rows, :, plan.cols] = k  # advanced indices first: the value is [B, T, nkv, D]
             vc[plan.rows, :, plan.cols] = v
             s0 = cache.slot_start
-            if plan.block_mask is not None:  # flex backend: each row's own keys (docs/design.md §17)
+            if plan.block_mask is not None:  # flex backend: each row's own keys (docs/design.md §12)
                 out = flex_cache_attention(q, kc[s0:s0 + B], vc[s0:s0 + B], plan.block_mask)
             elif plan.bias is not None:  # decode and verification: the whole (contiguous) capacity, biased
                 out = small_query_attention(q, kc[s0:s0 + B], vc[s0:s0 + B], plan.bias, plan.n_keys)

@@ -5,7 +5,7 @@ longest row's length under a mask: every row pays for the longest. Here the same
 `mask_mod` read from per-row length tensors; `create_block_mask` turns it into a block-sparse mask, so a compiled
 kernel (CUDA) skips the key blocks past each row's own cached length + its S + T speculative / new keys. On CPU
 flex_attention runs eagerly (unfused, every key scored then masked): the same numbers, for tests, not speed.
-See docs/design.md §17.
+See docs/design.md §12.
 """
 from __future__ import annotations
 
