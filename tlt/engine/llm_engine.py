@@ -20,10 +20,10 @@ from tlt.engine.kv_cache import KVCache
 from tlt.engine.model_runner import ModelRunner
 from tlt.engine.params import SamplingParams
 from tlt.engine.sampler import greedy, sample_from, target_logprobs, transform_logits
-from tlt.models.flex import resolve_backend
 from tlt.engine.scheduler import Scheduler
 from tlt.engine.sequence import Sequence
 from tlt.models.decoder import Decoder
+from tlt.models.flex import resolve_backend
 
 
 @dataclass
