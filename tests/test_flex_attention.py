@@ -78,6 +78,15 @@ def test_a_mask_one_key_too_long_changes_the_logits(model, monkeypatch):
         assert (wrong[b] - ref[b]).abs().max() > 1e-3
 
 
+def test_a_wrong_tree_changes_the_logits(model):
+    """Control for the tree cases: flex under a tree mask with every node seeing every node differs from sdpa
+    under the real tree, so the tree equivalence above depends on the tree mask reaching flex."""
+    tree = _random_tree(len(LENS), 9)
+    ref = _logits(model, "sdpa", LENS, 9, tree)
+    wrong = _logits(model, "flex", LENS, 9, torch.ones_like(tree))
+    assert (wrong - ref).abs().max() > 1e-3
+
+
 def test_block_mask_skips_blocks_past_each_row(model):
     """The block mask of rows of 3 and 700 keys over a 1024-key capacity: the short row has one key block, the
     long one six (128-key blocks), so a compiled kernel reads each row's own keys only."""
