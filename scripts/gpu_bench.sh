@@ -33,17 +33,19 @@ START=$(date +%s)
 
 if [ "$CPU" = 1 ]; then   # tiny scale on CPU: checks every command and path, measures nothing
     DEVICE=cpu; DTYPE=float32; SHAPE=tiny
-    T_TESTS=60; T_MODEL=30; T_DRAFTER=60; T_DECODE=60; T_SPEC=60; T_ROLLOUT=60; T_E2E=120
+    T_TESTS=60; T_MODEL=30; T_DRAFTER=60; T_DECODE=60; T_SPEC=60; T_ROLLOUT=60; T_E2E=120; T_ATTN=60
     DRAFTER_ARGS="--num-prompts 4 --n 1 --max-tokens 8 --steps 2 --batch-tokens 128 --window-len 64"
     DECODE_ARGS="--batch-sizes 1,4 --max-tokens 4 --prompt-len 8 --repeats 1 --no-hf"
     SPEC_ARGS="--batch-sizes 1,2 --max-tokens 8 --repeats 1 --skip-hf"
     ROLLOUT_ARGS="--prompts 2 --n 2 --max-tokens 8 --modes off,always,adaptive"
+    ATTN_ARGS="--models rand-tiny --contexts 128 --batch-sizes 1,2 --steps 2 --repeats 1 --layouts spread"
     E2E_ARGS="--steps 1 --modes off,adaptive data.train_batch_size=2 rollout.n=2 data.max_response_length=8
               data.max_prompt_length=1280 drafter_train.min_buffer_tokens=0 drafter_train.batch_tokens=128
               drafter_train.window_len=64 actor.ppo_mini_batch_size=2 actor.ppo_max_token_len=4096"
 else                      # sized so that the timeouts below (plus 5 s grace each) sum to under 10 minutes
     DEVICE=cuda; DTYPE=bfloat16; SHAPE=smollm2-135m
-    T_TESTS=100; T_MODEL=40; T_DRAFTER=70; T_DECODE=60; T_SPEC=80; T_ROLLOUT=90; T_E2E=110
+    T_TESTS=90; T_MODEL=40; T_DRAFTER=70; T_DECODE=55; T_SPEC=70; T_ROLLOUT=80; T_E2E=100; T_ATTN=45
+    ATTN_ARGS="--contexts 512,2048,8192 --batch-sizes 1,16,64 --steps 16 --repeats 2 --layouts spread"
     DRAFTER_ARGS="--num-prompts 64 --n 2 --max-tokens 256 --steps 200 --batch-tokens 4096 --window-len 512"
     DECODE_ARGS="--batch-sizes 1,16,64,256 --max-tokens 128 --repeats 2 --no-hf"
     SPEC_ARGS="--batch-sizes 1,8,32 --max-tokens 128 --repeats 2 --skip-hf"
@@ -89,7 +91,7 @@ run rollout "$T_ROLLOUT" $PY -m tlt bench rollout --model "$MODEL" "${ROLLOUT_DR
     --device "$DEVICE" --dtype "$DTYPE" $ROLLOUT_ARGS
 run e2e "$T_E2E" $PY -m tlt bench e2e configs/gpu_longtail.yaml --out "$RESULTS/e2e" model.path="$MODEL" \
     model.device="$DEVICE" "${SPEC_MODEL[@]}" trainer.test_freq=-1 trainer.logger=[jsonl] $E2E_ARGS
-# ---- attention benchmark (flexattn branch): add its `run attention SECONDS ...` line here ----
+run attention "$T_ATTN" $PY -m tlt bench attention --device "$DEVICE" --dtype "$DTYPE" $ATTN_ARGS
 
 $PY - "$RESULTS" "$(( $(date +%s) - START ))" <<'EOF'
 import json, sys

@@ -60,6 +60,11 @@ class RolloutConfig:
                 "rollout workers decode in it too")
     enforce_eager: bool = _f(False, "on CUDA, run decode and verification forwards eagerly instead of replaying "
                                     "captured CUDA graphs (vLLM's switch; no effect on CPU)")
+    attention: Literal["auto", "sdpa", "flex"] = _f(
+        "auto", "attention of decode and verification forwards: sdpa = over the KV cache's capacity (or the longest "
+                "row) under a mask; flex = PyTorch FlexAttention with a block mask over each row's own cached keys "
+                "(compiled on CUDA; eager and slow on CPU); auto = flex on CUDA where it works, else sdpa. Captured "
+                "CUDA graphs use flex only where a start-up probe captures it, else sdpa")
     dynamic_sampling: bool = _f(False, "DAPO: drop groups whose rewards are all equal")
     overlong_filter: bool = _f(False, "mask out responses truncated at max_response_length from the loss")
     replica_timeout_s: float | None = _f(None, "Ray rollout replicas: seconds one generate call may run before its "
@@ -207,7 +212,8 @@ class Config:
         run summary's plain twin, `tlt eval`'s, the Ray replicas')."""
         return {"max_num_seqs": self.rollout.max_num_seqs,
                 "max_model_len": self.data.max_prompt_length + self.data.max_response_length,
-                "seed": self.trainer.seed, "enforce_eager": self.rollout.enforce_eager}
+                "seed": self.trainer.seed, "enforce_eager": self.rollout.enforce_eager,
+                "attention": self.rollout.attention}
 
     def policy_dtype(self) -> str:
         """The trainer's weights: fp32 master weights unless model.dtype=bfloat16 (model.dtype=auto means fp32

@@ -38,7 +38,7 @@ class LLM:
     def __init__(self, model: str | Path | Decoder | None = None, tokenizer: Any = None, dtype: str = "auto",
                  device: str = "auto", max_num_seqs: int = 64, max_model_len: int | None = None,
                  kv_cache_tokens: int | None = None, seed: int = 0, speculative_config: dict | SpecConfig | None = None,
-                 skip_tokenizer_init: bool = False, enforce_eager: bool = False):
+                 skip_tokenizer_init: bool = False, enforce_eager: bool = False, attention: str = "auto"):
         if model is None:
             from tlt.models.smollm import default_model_path
             model = default_model_path()
@@ -56,7 +56,7 @@ class LLM:
         self.tokenizer = tokenizer
         self.engine = LLMEngine(self.model, eos_ids_of(model_dir, self.model, tokenizer), max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens, seed=seed,
-                                enforce_eager=enforce_eager)
+                                enforce_eager=enforce_eager, attention=attention)
         self.spec = None
         if speculative_config is not None:
             from tlt.speculative.spec_decoder import SpecDecoder

@@ -1,6 +1,7 @@
 """Benchmarks: `tlt bench NAME [ARGS]` runs `tlt.bench.NAME.main(ARGS)`; each prints a table, then one JSON line.
 
     tlt bench decode [--quick] [--dtype float32,bfloat16] ...   plain decode tokens/s: tlt vs transformers
+    tlt bench attention [--contexts 512,2048,8192] ...          decode at long contexts: flex vs sdpa attention
     tlt bench spec [...]                                        speculative decoding vs plain decoding
     tlt bench e2e [...]                                         end-to-end RL step time
     tlt bench NAME --help                                       the options of one benchmark

@@ -9,7 +9,9 @@ Shapes are static inside a graph, so:
     (slots B.. hold no running sequence: running rows are slots 0..B-1), at the last positions of the capacity;
   - the attention mask spans the cache's whole capacity (`CacheView.static`); up to SMALL_QUERY new tokens it is
     the small-query attention's bias over the capacity, as in the eager path, beyond that SDPA's mask over the
-    whole capacity instead of the longest row's length: a graph computes what the eager forward computes;
+    whole capacity instead of the longest row's length: a graph computes what the eager forward computes; with
+    the flex backend (rollout.attention) the block mask is rebuilt inside the graph from its lens tensor, so
+    each row still reads only its own keys (docs/design.md §15);
   - the graphs hold the cache's tensors: they are captured anew when the cache grows (every `ROUND` positions;
     all slots are allocated at the first graphed step).
 A graph is captured on the step that first needs it, with that step's own inputs: its warm-up forwards write the

@@ -23,6 +23,7 @@ from tlt.engine.sampler import greedy, sample_from, target_logprobs, transform_l
 from tlt.engine.scheduler import Scheduler
 from tlt.engine.sequence import Sequence
 from tlt.models.decoder import Decoder
+from tlt.models.flex import resolve_backend
 
 
 @dataclass
@@ -39,10 +40,12 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, model: Decoder, eos_token_ids: list[int], max_num_seqs: int = 64,
                  max_model_len: int | None = None, kv_cache_tokens: int | None = None, seed: int = 0,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, attention: str = "auto"):
         self.model = model
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # decode / verify attention (tlt.models.flex), and whether captured CUDA graphs may use it
+        model.attention_backend, model.flex_in_graphs = resolve_backend(attention, self.device)
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len or model.cfg.max_position_embeddings
         kv_cache_tokens = kv_cache_tokens or max_num_seqs * self.max_model_len

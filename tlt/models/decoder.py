@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tlt.models.config import ModelConfig
+from tlt.models.flex import FLEX_MAX_QUERY, block_mask, flex_cache_attention
 from tlt.models.kernels import (LayerInputs, LayerWeights, Linear, attention_bias, decode_layer, decode_layer_ok,
                                 layer_inputs, linear, small_query_attention)
 
@@ -168,7 +169,9 @@ class Attention(nn.Module):
             kc[plan.rows, :, plan.cols] = k  # advanced indices first: the value is [B, T, nkv, D]
             vc[plan.rows, :, plan.cols] = v
             s0 = cache.slot_start
-            if plan.bias is not None:  # decode and verification: the whole (contiguous) capacity, biased
+            if plan.block_mask is not None:  # flex backend: each row's own keys (docs/design.md §15)
+                out = flex_cache_attention(q, kc[s0:s0 + B], vc[s0:s0 + B], plan.block_mask)
+            elif plan.bias is not None:  # decode and verification: the whole (contiguous) capacity, biased
                 out = small_query_attention(q, kc[s0:s0 + B], vc[s0:s0 + B], plan.bias, plan.n_keys)
             else:
                 L = plan.length
@@ -245,6 +248,7 @@ class CachePlan:
     bias: torch.Tensor | None      # [B, 1, 1, T, capacity] 0 / -inf for few new tokens (see cache_mask); else None
     n_keys: torch.Tensor           # [B] keys row b attends over at most: cached + S + T
     fused_inputs: LayerInputs | None = None  # the fused layer's fp32 / int64 copies, made by its first layer
+    block_mask: object | None = None  # the flex backend's BlockMask (tlt.models.flex); then bias is None
 
 
 def cache_mask(cache: CacheView, T: int, device, fused: bool = False) -> tuple[torch.Tensor, CachePlan]:
@@ -274,10 +278,25 @@ def cache_mask(cache: CacheView, T: int, device, fused: bool = False) -> tuple[t
     return mask, CachePlan(rows, cols, L, bias, lens + S + T)
 
 
+def flex_plan(cache: CacheView, T: int, device) -> CachePlan:
+    """cache_mask's write plan for the flex backend: the BlockMask instead of a dense mask or bias."""
+    lens = cache.cache_lens
+    B, S = lens.shape[0], 0 if cache.tree_mask is None else cache.tree_mask.shape[-1] - T
+    rows = (torch.arange(B, device=device) + cache.slot_start)[:, None].expand(B, T)
+    cols = lens[:, None] + S + torch.arange(T, device=device)
+    capacity = cache.k[0].shape[2]
+    return CachePlan(rows, cols, capacity, None, lens + S + T,
+                     block_mask=block_mask(lens, cache.tree_mask, T, capacity))
+
+
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        # cached forwards of up to FLEX_MAX_QUERY new tokens: "sdpa" (bias / mask over the capacity) or "flex"
+        # (tlt.models.flex; set by the engine from rollout.attention); flex_in_graphs: graphed (static) forwards too
+        self.attention_backend = "sdpa"
+        self.flex_in_graphs = True
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -301,7 +320,9 @@ class Decoder(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         plan = None
-        if cache is not None:
+        if cache is not None and self._flex(cache, T):
+            mask, plan = None, flex_plan(cache, T, input_ids.device)
+        elif cache is not None:
             fused = SMALL_QUERY_CPU < T <= FUSED_QUERY_CPU and decode_layer_ok(x, self.layers[0].weights(), cache.k[0])
             mask, plan = cache_mask(cache, T, input_ids.device, fused)
         elif isinstance(attn_mask, PackedRows):
@@ -311,6 +332,9 @@ class Decoder(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache, plan)
         return self.norm(x)
+
+    def _flex(self, cache: CacheView, T: int) -> bool:
+        return self.attention_backend == "flex" and T <= FLEX_MAX_QUERY and (self.flex_in_graphs or not cache.static)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> fp32 logits [..., V] (a bf16 model on the bf16 kernel: its fp32 sums, not rounded to bf16)."""

@@ -49,6 +49,7 @@ class ReplicaConfig:
     device: str = "auto"
     dtype: str = "auto"
     enforce_eager: bool = False      # no CUDA graphs (see tlt.engine.cuda_graph)
+    attention: str = "auto"          # decode / verify attention backend (tlt.models.flex)
     seed: int = 0                    # engine seed and fresh-drafter init (equal on every replica: one drafter)
     train_drafter: bool = True       # record hidden states and train the drafter (needs an eagle drafter)
     drafter_lr: float = 3e-4
@@ -109,7 +110,7 @@ class RolloutReplica:
         c = self.cfg
         self.llm = LLM(model=build_decoder(model, c.device, c.dtype), tokenizer=tokenizer, dtype=c.dtype,
                        device=c.device, max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len, seed=c.seed,
-                       enforce_eager=c.enforce_eager)
+                       enforce_eager=c.enforce_eager, attention=c.attention)
         self.model = self.llm.model
         self.spec = self._build_spec(c.speculative) if c.speculative else None
         self.llm.spec = self.spec

@@ -1,0 +1,120 @@
+"""FlexAttention backend for cached forwards with a few new tokens a row (decode, chain and tree verification).
+
+The default (sdpa) path attends over the cache's whole capacity under a bias (small_query_attention) or over the
+longest row's length under a mask: every row pays for the longest. Here the same mask is a FlexAttention
+`mask_mod` read from per-row length tensors; `create_block_mask` turns it into a block-sparse mask, so a compiled
+kernel (CUDA) skips the key blocks past each row's own cached length + its S + T speculative / new keys. On CPU
+flex_attention runs eagerly (unfused, every key scored then masked): the same numbers, for tests, not speed.
+See docs/design.md §15.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+BACKENDS = ("auto", "sdpa", "flex")
+FLEX_MAX_QUERY = 64  # new tokens per row up to which a cached forward uses flex (prefill chunks stay on sdpa)
+
+_compiled = None
+
+
+def flex_available() -> bool:
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def cache_mask_mod(lens: torch.Tensor, tree: torch.Tensor | None, S: int, T: int):
+    """mask_mod(b, h, q, kv) of cached attention: keys before lens[b] are visible; the S + T keys from lens[b] on
+    (this step's speculative entries, then the new tokens) follow tree [B, T, S + T] (None: causal, S = 0)."""
+    def mask_mod(b, h, q, kv):
+        off = kv - lens[b]
+        if tree is None:
+            return off <= q
+        inside = (off >= 0) & (off < S + T)
+        return (off < 0) | (inside & tree[b, q, off.clamp(0, S + T - 1)])
+    return mask_mod
+
+
+def block_mask(lens: torch.Tensor, tree: torch.Tensor | None, T: int, capacity: int, extra_keys: int = 0):
+    """The BlockMask of B rows (lens [B] cached tokens each) with T new tokens over `capacity` keys.
+    extra_keys > 0 widens every row's visible prefix by that many keys: a deliberately wrong mask (tests' control)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    B = lens.shape[0]
+    S = 0 if tree is None else tree.shape[-1] - T
+    if tree is not None:
+        tree = tree.expand(B, T, S + T)
+    seen = lens + extra_keys
+    return create_block_mask(cache_mask_mod(seen, tree, S, T), B, None, T, capacity, device=lens.device)
+
+
+def flex_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+    """q [B, T, nh, D], k / v [B, nkv, capacity, D] (the rows' cache slots), mask from `block_mask`
+    -> [B, T, nh, D]."""
+    global _compiled
+    from torch.nn.attention.flex_attention import flex_attention
+    fn = flex_attention
+    if q.device.type == "cuda":  # the fused, block-sparse kernel
+        if _compiled is None:
+            _compiled = torch.compile(flex_attention, dynamic=False)
+        fn = _compiled
+    with warnings.catch_warnings():  # CPU: the eager (unfused) implementation, on purpose
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        out = fn(q.transpose(1, 2), k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[2])
+    return out.transpose(1, 2)
+
+
+def resolve_backend(name: str, device: torch.device) -> tuple[str, bool]:
+    """(backend, whether graphed forwards may use it).
+
+    auto -> flex on CUDA where FlexAttention runs a tiny call, else sdpa; flex -> flex (any device: eager on CPU);
+    sdpa -> sdpa. On CUDA, graphed forwards use flex only where a tiny block mask + flex call also captures into a
+    CUDA graph and replays right; elsewhere they stay on sdpa. Unknown names raise ValueError."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    if name == "flex" and not flex_available():
+        raise ValueError("attention backend 'flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
+    if device.type != "cuda":
+        return ("sdpa" if name == "auto" else name), True  # nothing is captured off CUDA
+    if name == "sdpa" or not flex_available():
+        return "sdpa", True
+    try:  # a torch build whose compiled flex kernel fails falls back here, not mid-rollout
+        _probe(device, capture=False)
+    except Exception as exc:  # noqa: BLE001 - any failure means: keep the current path
+        if name == "flex":
+            raise
+        warnings.warn(f"FlexAttention failed on {device} ({type(exc).__name__}: {exc}); attention stays on sdpa")
+        return "sdpa", True
+    try:
+        _probe(device, capture=True)
+    except Exception as exc:  # noqa: BLE001
+        warnings.warn(f"FlexAttention does not capture into a CUDA graph here ({type(exc).__name__}: {exc}); "
+                      f"graphed decode / verify forwards stay on sdpa")
+        return "flex", False
+    return "flex", True
+
+
+def _probe(device: torch.device, capture: bool) -> None:
+    """A tiny block mask + flex call (rows of 1 and 3 keys); with `capture`, built and run inside a CUDA graph
+    whose replay after new lengths must match an eager call."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(2, 1, 2, 16, generator=g).to(device)
+    k, v = (torch.randn(2, 1, 256, 16, generator=g).to(device) for _ in range(2))
+    lens = torch.tensor([1, 3], device=device)
+
+    def run():
+        return flex_cache_attention(q, k, v, block_mask(lens, None, 1, 256))
+    out = run()
+    if not capture:
+        return
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    lens.copy_(torch.tensor([200, 7]))
+    graph.replay()
+    torch.cuda.synchronize()
+    if not torch.allclose(out, run(), atol=1e-4):
+        raise RuntimeError("a replayed block mask did not follow the new lengths")
