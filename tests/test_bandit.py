@@ -291,3 +291,15 @@ def test_a_bucket_where_sd_pays_never_closes_and_charges_can_close_one():
     assert tie.best(1) is OFF and tie.ledger_sum[0] > 0 and not tie.closed_buckets()
     tie.charge(1, 0.2)
     assert tie.ledger_sum[0] < 0 and tie.closed_buckets() == ["bs>=1"]
+
+
+def test_a_closed_bucket_runs_off_even_if_an_sd_arm_looks_best_later():
+    """Closed means plain decoding: "off" is returned even when its estimate drifts below a (frozen) SD arm's."""
+    chain = Arm("chain2", "eagle_chain", 2, 1, 2)
+    bandit = _one_bucket([OFF, chain], epsilon=0.0, min_samples=1)
+    bandit.update(1, OFF, 1.0, 1.0)
+    bandit.update(1, chain, 0.9, 1.0)
+    assert bandit.closed_buckets() == ["bs>=1"]
+    for _ in range(50):
+        bandit.update(1, OFF, 0.5, 1.0)  # off's estimate falls below the chain's frozen one (any drift will do)
+    assert bandit.best(1) is chain and bandit.select(1) is OFF  # the greedy choice moved; closed still runs off

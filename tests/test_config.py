@@ -108,3 +108,10 @@ def test_rollout_dtype_auto_is_bf16_where_bf16_is_fast(monkeypatch, fast_bf16):
     assert load_config(None, ["model.device=cpu", "rollout.dtype=float32"]).rollout_dtype() == "float32"
     assert load_config(None, ["model.device=cpu", "rollout.dtype=bfloat16"]).rollout_dtype() == "bfloat16"
     assert load_config(None, ["model.device=cpu", "model.dtype=bfloat16"]).rollout_dtype() == "bfloat16"
+
+
+@pytest.mark.parametrize("value", ["[]", "[-1]", "[0.7, 0]"])
+def test_warmup_temperatures_are_checked_at_load(value):
+    with pytest.raises(ConfigError, match="warmup_temperatures"):
+        load_config(None, [f"drafter_train.warmup_temperatures={value}"])
+    load_config(None, ["drafter_train.warmup_temperatures=[0.7, 1.0]"])  # control

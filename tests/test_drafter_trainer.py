@@ -115,10 +115,10 @@ def test_run_step_local_trains_in_the_gaps(target, buffer):
     assert tr.total_steps == 5
 
 
-def test_a_spot_session_yields_to_the_update_and_finishes_after_it(tiny_llama_dir, tmp_path):
-    """Spot training (docs/design.md §5): the session started alongside the rollout pauses before its next drafter
-    step once the rollout is done (rollout_done), stays paused while the update would run, and finishes after it
-    (after_rollout), with every planned step trained. Control: without rollout_done it keeps training meanwhile."""
+def test_a_spot_round_yields_to_the_update_and_finishes_after_it(tiny_llama_dir, tmp_path):
+    """Spot training (docs/design.md §5): the round started alongside the rollout has paused before its next drafter
+    step when rollout_done returns, stays paused while the update would run, and finishes after it (after_rollout),
+    with every planned step trained. Control: without rollout_done it keeps training meanwhile."""
     import time
 
     import tlt
@@ -135,24 +135,23 @@ def test_a_spot_session_yields_to_the_update_and_finishes_after_it(tiny_llama_di
     outs = plain.generate([[3, 5, 7, 9]] * 8, tlt.SamplingParams(temperature=1.0, max_tokens=40, seed=1,
                                                                return_hidden_states=True, ignore_eos=True))
 
-    def session(yield_to_update: bool) -> tuple[int, int, int]:
+    def round_(yield_to_update: bool) -> tuple[int, int, int]:
         hook = OnlineDrafterHook(cfg, llm.spec, spot=True)
         hook.add_outputs(1, outs)
         hook.last_step = 1
-        hook.new_tokens *= 40  # a long session: hundreds of drafter steps
+        hook.new_tokens *= 40  # a long round: hundreds of drafter steps
         planned = hook.session_steps()
         hook.before_rollout(2)
         time.sleep(0.2)
         if yield_to_update:
-            hook.rollout_done(2)
-        time.sleep(0.3)  # a step in flight finishes
+            hook.rollout_done(2)  # returns once the round has paused
         paused_at = hook.trainer.total_steps
         time.sleep(0.5)  # "the update"
         during_update = hook.trainer.total_steps - paused_at
         metrics = hook.after_rollout(2, None, [])
         return planned, int(metrics["drafter/steps"]), during_update
 
-    planned, trained, during_update = session(yield_to_update=True)
+    planned, trained, during_update = round_(yield_to_update=True)
     assert trained == planned and during_update == 0
-    planned, trained, during_update = session(yield_to_update=False)
+    planned, trained, during_update = round_(yield_to_update=False)
     assert trained == planned and during_update > 0  # control

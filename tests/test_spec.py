@@ -319,3 +319,21 @@ def test_a_closed_bucket_keeps_no_hidden_states_and_a_new_drafter_resumes_the_ca
         assert g.hidden_states.shape[0] == len(g.token_ids) - g.hidden_start
         assert torch.equal(g.hidden_states, f.hidden_states[g.hidden_start:])
     assert llm.spec.stats()["spec_closed_buckets"] == 0  # reopened by the publish
+
+
+def test_above_the_gate_the_capture_follows_whether_any_bucket_is_open(sharp_llama):
+    """Above bs_threshold SD never runs, so no bucket owns those steps: they keep hidden states (the context the
+    tail's drafts read, and drafter data) while any bucket is open, none once all are closed, and their capture
+    time is charged to no bucket. Control: at or below the threshold a closed bucket decides alone."""
+    model, drafter_dir = sharp_llama
+    llm = tlt.LLM(model, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=32))
+    spec, bandit = llm.spec, llm.spec.bandit
+    top = bandit.bucket(25)
+    bandit.closed[top] = True
+    assert not spec.capturing(25) and spec.capturing(40)  # 25: its own closed bucket; 40: above the gate
+    spec.charge_capture(40, 5.0)
+    assert all(s == 0 for s in bandit.ledger_sum)
+    spec.charge_capture(3, 5.0)
+    assert bandit.ledger_sum[bandit.bucket(3)] == -5.0  # control: below the gate the step's bucket is charged
+    bandit.closed = [True] * len(bandit.closed)
+    assert not spec.capturing(40) and not spec.capturing(1)

@@ -190,8 +190,10 @@ class TrainerConfig:
                 "the replica frees its KV cache between rollouts); disaggregated = replicas (and their spot "
                 "drafter training) on the last rollout_gpus GPUs, trainer ranks on the rest; none = no placement "
                 "group (num_rollout_workers replicas, one GPU each on CUDA)")
-    nnodes: int = _f(1, "nodes of the Ray cluster the placement group spans (verl's trainer.nnodes)", ge=1)
-    n_gpus_per_node: int = _f(1, "GPUs used on each node (verl's trainer.n_gpus_per_node)", ge=1)
+    nnodes: int = _f(1, "nodes: of the Ray cluster the placement group spans; placement=none: of the torchrun "
+                        "launch (checked against WORLD_SIZE when > 1 GPU; verl's trainer.nnodes)", ge=1)
+    n_gpus_per_node: int = _f(1, "GPUs used on each node: bundles of the placement group, or torchrun's "
+                                 "--nproc_per_node with placement=none (verl's trainer.n_gpus_per_node)", ge=1)
     rollout_gpus: int | None = _f(None, "placement=disaggregated: GPUs for rollout replicas; null = half", ge=1)
 
 
@@ -268,6 +270,10 @@ def _validate(cfg: Config) -> None:
                           f"data.train_batch_size={d.train_batch_size}")
     if len(a.betas) != 2 or not all(0 <= b < 1 for b in a.betas):
         raise ConfigError(f"actor.betas={a.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+    temps = cfg.drafter_train.warmup_temperatures
+    if not temps or not all(t > 0 for t in temps):
+        raise ConfigError(f"drafter_train.warmup_temperatures={temps} must be a non-empty list of temperatures > 0, "
+                          "e.g. [1.0]")
     if s.enabled:
         s.validate(prefix="speculative.")
         if s.seed != 0:

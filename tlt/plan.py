@@ -8,7 +8,7 @@ reference model, activations of one micro-batch and FSDP's gathered layers (esti
 the drafter. Exits 2, naming the key to change, when the total exceeds --device-memory (default: the CUDA
 device's memory when there is one; no check otherwise). --model-config plans from an architecture alone (a directory
 with an HF config.json, e.g. configs/models/qwen2.5-32b-instruct) instead of model.path; --world-size defaults to
-WORLD_SIZE, else to the trainer ranks of trainer.placement.
+WORLD_SIZE, else to the trainer ranks of trainer.placement (placement=none: trainer.nnodes x n_gpus_per_node).
 """
 from __future__ import annotations
 
@@ -121,8 +121,8 @@ def _default_world(cfg: Config) -> int:
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     t = cfg.trainer
-    if t.placement == "none":
-        return 1
+    if t.placement == "none":  # torchrun ranks, as verl's keys describe them
+        return t.nnodes * t.n_gpus_per_node
     from tlt.workers.bundles import assign_bundles  # pure arithmetic, no Ray
     return len(assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus).trainer_bundles)
 

@@ -2,24 +2,25 @@
 
 Every RL step the rollout's target hidden states (kept by the engine, docs/design.md §3) go into the
 step-tagged DrafterBuffer. Every `drafter_train.every_k_steps` steps, once the buffer holds
-`min_buffer_tokens`, one training session runs after the policy update, on a training copy of the engine's
+`min_buffer_tokens`, one training round runs after the policy update, on a training copy of the engine's
 drafter: evaluate the published weights on a held-out slice, take a bounded number of drafter steps, evaluate
 again, and publish into the running engine (`llm.spec.load_drafter_state`) only if held-out accuracy did not drop
-(`should_publish`); a refused session is rolled back. Exactness of speculative decoding never depends on the
+(`should_publish`); a refused round is rolled back. Exactness of speculative decoding never depends on the
 drafter, so publishing between steps is always safe.
 
-Budget of a session: by default one pass over the loss tokens that arrived since the previous session
+Budget of a round: by default one pass over the loss tokens that arrived since the previous round
 (ceil(new_tokens / batch_tokens) drafter steps), optionally capped by `max_steps` and `max_seconds`.
 
 When: with `spot` off, after the policy update, paid on top of the RL step (drafter/train_time_s). With `spot` on
-(TLT's spot training, in one process) the session on the steps so far starts in a thread when the next rollout
+(TLT's spot training, in one process) the round on the steps so far starts in a thread when the next rollout
 starts and runs on what the rollout leaves idle (a CPU core the rollout's one torch thread does not use). When the
-rollout ends the thread yields: it pauses before its next drafter step while the log-probs and policy
-update run (they would share memory bandwidth and the interpreter lock with it), and resumes after the update
-to finish what is left, which the step then waits for (drafter/spot_wait_s; docs/design.md §5). It is published
-after that, so a drafter reaches the engine one step later. The session reads only the buffer and its own
-training copy; the engine's drafter changes only in the main thread. Pausing, not stopping, keeps what is
-trained independent of timing: spot and non-spot runs train the same weights. The drafter comparison
+rollout ends the thread yields: `rollout_done` returns once it has paused before its next drafter step (the
+update rewrites the target's embedding and LM head, which a drafter step reads; drafter/spot_yield_s), it stays
+paused while the log-probs and policy update run (they would share memory bandwidth with it), and resumes after
+the update to finish what is left, which the step then waits for (drafter/spot_wait_s; docs/design.md §5). It is
+published after that, so a drafter reaches the engine one step later. The round reads only the buffer and its
+own training copy; the engine's drafter changes only in the main thread. A round that ends within the rollout
+trains what a spot=false round trains; steps left for after the update see the updated target. The drafter comparison
 (compare_drafters) runs in that thread too, on the previous step's held-out responses, and is logged with the
 step whose rollout it ran alongside (drafter/compare/rl_step names the responses' step).
 
@@ -75,19 +76,21 @@ class OnlineDrafterHook(DrafterHook):
         holdout_every = round(1 / cfg.holdout_fraction) if cfg.holdout_fraction > 0 else 0
         self.buffer = DrafterBuffer(cfg.buffer_max_tokens, cfg.window_len,
                                     offset_frac=0.5 if cfg.offset_sampling else 0.0, holdout_every=holdout_every)
-        self.version = 0             # sessions published so far
-        self.new_tokens = 0          # loss tokens added since the last session
+        self.version = 0             # rounds published so far
+        self.new_tokens = 0          # loss tokens added since the last round
         self.last_train: dict[str, float] = {}
         self.spot, self.save_buffer = spot, save_buffer
         self.last_step = 0           # RL step of the newest data in the buffer
-        self._pending: tuple[threading.Thread, dict] | None = None  # a spot session in flight
-        self._may_run = threading.Event()  # cleared while the update runs: the spot session waits
+        self._pending: tuple[threading.Thread, dict] | None = None  # a spot round in flight
+        self._may_run = threading.Event()  # cleared while the update runs: the spot round waits
         self._may_run.set()
+        self._paused = threading.Event()   # set by the spot round while it waits for _may_run
+        self._yield_s = 0.0                 # what rollout_done waited for the round's step in flight
 
     # ---- the hook ----------------------------------------------------------------------------------------
     def before_rollout(self, step: int) -> None:
         """spot: in a thread alongside this rollout, compare the drafters on the previous step's held-out responses
-        (if compare_drafters) and run the session on the steps so far (if one is due)."""
+        (if compare_drafters) and run the round on the steps so far (if one is due)."""
         compare_due = self.frozen is not None and bool(self.fresh_heldout)
         train_due = self._due(self.last_step)
         if self.spot and (compare_due or train_due):
@@ -96,7 +99,7 @@ class OnlineDrafterHook(DrafterHook):
 
             def work():
                 try:
-                    if compare_due:  # before the session trains on them, as after_rollout does without spot
+                    if compare_due:  # before the round trains on them, as after_rollout does without spot
                         result["compare"] = self.compare_drafters()
                     if train_due:
                         result["trained"] = self._train(self.last_step, pause=self._may_run)
@@ -107,17 +110,26 @@ class OnlineDrafterHook(DrafterHook):
             self._pending = (thread, result)
 
     def rollout_done(self, step: int) -> None:
-        """The rollout is over: a spot session pauses before its next drafter step until after the update."""
+        """The rollout is over: a spot round pauses before its next drafter step until after the update. Returns
+        once it has paused (or finished): the update changes the target's embedding and LM head, which a drafter
+        step in flight reads."""
         self._may_run.clear()
+        t0 = time.perf_counter()
+        if self._pending is not None:
+            thread = self._pending[0]
+            while thread.is_alive() and not self._paused.wait(0.005):
+                pass
+        self._yield_s = time.perf_counter() - t0
 
     def after_rollout(self, step: int, rollout: Any, outputs: list[RequestOutput]) -> dict[str, float]:
         metrics = {"drafter/steps": 0.0, "drafter/train_time_s": 0.0, "drafter/published": 0.0}
         self._may_run.set()
-        if self._pending is not None:  # the spot session that ran alongside this rollout: publish it now
+        if self._pending is not None:  # the spot round that ran alongside this rollout: publish it now
             thread, result = self._pending
             t0 = time.perf_counter()
             thread.join()
             metrics["drafter/spot_wait_s"] = time.perf_counter() - t0  # what was left after the rollout
+            metrics["drafter/spot_yield_s"] = self._yield_s  # the step in flight when the rollout ended
             self._pending = None
             if "error" in result:
                 raise result["error"]
@@ -132,7 +144,7 @@ class OnlineDrafterHook(DrafterHook):
             metrics.update(self.compare_drafters())
         if not self.spot and self._due(step):
             metrics.update(self.train_session(step))
-        metrics |= self.last_train  # loss/acc of the latest session, so the curves have a value every step
+        metrics |= self.last_train  # loss/acc of the latest round, so the curves have a value every step
         metrics.update({"drafter/version": float(self.version), "drafter/buffer_tokens": float(self.buffer.num_tokens)})
         return metrics
 
@@ -181,7 +193,7 @@ class OnlineDrafterHook(DrafterHook):
         return self._finish(step, *self._train(step))
 
     def _train(self, step: int, pause: threading.Event | None = None):
-        """The session's work on the training copy (a spot thread runs this): train on the buffer as it is. With
+        """The round's work on the training copy (a spot thread runs this): train on the buffer as it is. With
         `pause`, each drafter step first waits until it is set (the trainer's update runs meanwhile)."""
         t0 = time.perf_counter()
         heldout = self.heldout()
@@ -190,8 +202,14 @@ class OnlineDrafterHook(DrafterHook):
         deadline = None if self.max_seconds is None else t0 + self.max_seconds
         steps, self.new_tokens = self.session_steps(), 0
         def stop() -> bool:  # checked before every drafter step
-            if pause is not None:
+            nonlocal deadline
+            if pause is not None and not pause.is_set():
+                waited = time.perf_counter()
+                self._paused.set()
                 pause.wait()
+                self._paused.clear()
+                if deadline is not None:  # the pause does not count against max_seconds
+                    deadline += time.perf_counter() - waited
             return deadline is not None and time.perf_counter() > deadline
         stats = self.trainer.train_steps(self.buffer, steps, step=step, stop_flag=stop)
         new = self.trainer.evaluate(heldout) if heldout is not None else None

@@ -105,6 +105,20 @@ def init_distributed(device_type: str = "cpu", single_rank: bool = False) -> Dis
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())))
 
 
+def check_launch(t, world_size: int) -> None:
+    """Placement and torchrun do not combine yet: placed replicas are built by one process. Under torchrun,
+    trainer.nnodes x n_gpus_per_node (what `tlt plan` assumes) must match the ranks launched."""
+    if t.placement != "none" and world_size > 1:
+        raise ConfigError(f"trainer.placement={t.placement} places the rollout replicas from one trainer process; "
+                          f"under torchrun ({world_size} ranks) each rank decodes with its own engine: set "
+                          "trainer.placement=none")
+    planned = t.nnodes * t.n_gpus_per_node
+    if t.placement == "none" and planned > 1 and planned != world_size:
+        raise ConfigError(f"trainer.nnodes x trainer.n_gpus_per_node = {planned} ranks, but {world_size} were "
+                          f"launched: run torchrun with --nnodes {t.nnodes} --nproc_per_node {t.n_gpus_per_node}, "
+                          "or set the two keys to what you launch")
+
+
 def gather(obj: Any, info: DistInfo) -> list[Any]:
     if info.world_size == 1:
         return [obj]
@@ -125,6 +139,7 @@ class GRPOTrainer:
             raise ConfigError("actor.strategy=fsdp needs torch.distributed: launch with torchrun, e.g. `torchrun "
                               "--nproc_per_node 2 -m tlt train CONFIG ...`; for one plain process set "
                               "actor.strategy=ddp")
+        check_launch(cfg.trainer, self.dist.world_size)
         prepare_config(cfg, self.dist)
         if self.dist.is_main:
             print(format_config(cfg), flush=True)  # resolved: the default model, data and drafter filled in

@@ -139,8 +139,8 @@ class StrategyBandit:
         b = self.bucket(batch_size)
         arms = self.arms[b]
         untried = self._untried(b)
-        if self.closed[b]:  # closed only where "off" is the greedy choice
-            arm = self._best(b)
+        if self.closed[b]:
+            arm = next(a for a in arms if a.method == "off")  # a bucket closes only where it has an "off" arm
         elif untried:
             arm = untried[0]
         elif self.rng.random() < self.epsilon * self.window / (self.window + self.since_forget[b]):
@@ -217,6 +217,9 @@ class StrategyBandit:
     def capturing(self, batch_size: int) -> bool:
         """Whether steps at this batch size should keep hidden states for the drafter (no: its bucket is closed)."""
         return not self.closed[self.bucket(batch_size)]
+
+    def any_open(self) -> bool:
+        return not all(self.closed)
 
     def _drop_oldest(self, b: int, name: str) -> None:
         tokens, seconds = self.steps[b][name].popleft()

@@ -131,13 +131,21 @@ class SpecDecoder:
 
     def capturing(self, batch_size: int) -> bool:
         """Whether a step at this batch size keeps hidden states, for drafting and for the requests that ask for
-        them (drafter data): not where the bandit closed the bucket because SD did not pay there."""
+        them (drafter data): not where the bandit closed the bucket because SD did not pay there. Above
+        bs_threshold, where SD never runs, while any bucket is open: those states are the context the tail's
+        drafts read and the drafter's data."""
+        if self._above_gate(batch_size):
+            return self.bandit.any_open()
         return self.bandit.capturing(batch_size)
 
     def charge_capture(self, batch_size: int, seconds: float) -> None:
-        """Capture time of a plain step, booked against SD in its bucket (an SD step's own time includes it)."""
-        if not self._speculating:
+        """Capture time of a plain step, booked against SD in its bucket (an SD step's own time includes it; above
+        bs_threshold no bucket's SD steps run, so no bucket is charged)."""
+        if not self._speculating and not self._above_gate(batch_size):
             self.bandit.charge(batch_size, seconds)
+
+    def _above_gate(self, batch_size: int) -> bool:
+        return self.cfg.bs_threshold is not None and batch_size > self.cfg.bs_threshold
 
     def on_finish(self, done: list[Sequence]) -> None:
         for s in done:
