@@ -79,7 +79,9 @@ def finish_run(trainer, summary: dict[str, Any]) -> dict[str, Any]:
         lines.append(f"  drafter: {summary['drafter_version']:.0f} versions published online")
     if cmp is not None:
         lines.append(f"  final rollout without SD {cmp['without_sd_s']:.1f} s, with adaptive SD {cmp['with_sd_s']:.1f} s "
-                     f"({cmp['speedup']:.2f}x), accept length {cmp['accept_length'] or float('nan'):.2f}")
+                     f"({cmp['speedup']:.2f}x), " + (f"accept length {cmp['accept_length']:.2f}"
+                                                      if cmp["accept_length"] is not None else
+                                                      "no SD step: plain decoding chosen in every bucket"))
     lines.append(f"  report: {report}")
     print("\n".join(lines), flush=True)
     return summary
