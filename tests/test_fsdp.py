@@ -81,6 +81,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, kwargs: 
         weights = train(model_dir, world, rank, strategy="fsdp", **kwargs)
         if rank == 0:
             torch.save(weights, out)
+        torch.distributed.barrier()  # rank 0 may still be writing: the ranks leave together
     finally:
         torch.distributed.destroy_process_group()
 
@@ -165,6 +166,7 @@ def _export_worker(rank: int, world: int, port: int, model_dir: str, out_dir: st
         weights = full_state_dict(model)
         if rank == 0:
             torch.save(weights, os.path.join(out_dir, "tlt_weights.pt"))
+        torch.distributed.barrier()  # rank 0 may still be writing: the ranks leave together
     finally:
         torch.distributed.destroy_process_group()
 

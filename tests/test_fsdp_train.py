@@ -61,6 +61,7 @@ def _sync_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str)
             result["tokens"] = {key: greedy(r.pop("engine"), "float32" if key[1] == torch.float32 else "bfloat16")
                                 for key, r in result.items() if key not in ("units", "numel")}
             torch.save(result, os.path.join(out_dir, "sync.pt"))
+        torch.distributed.barrier()  # rank 0 may still be writing: the ranks leave together
     finally:
         torch.distributed.destroy_process_group()
 
@@ -117,6 +118,7 @@ def _train_worker(rank: int, world: int, port: int, overrides: list[str], out: s
         weights = full_state_dict(trainer.model)
         if rank == 0:
             torch.save(weights, out)
+        torch.distributed.barrier()  # rank 0 may still be writing: the ranks leave together
     finally:
         torch.distributed.destroy_process_group()
 

@@ -38,6 +38,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
         sizes = measured(model_dir, world, rank, strategy="fsdp")
         if rank == 0:  # rank 0 holds the largest shards (dim 0 split in ceil-sized rows)
             torch.save(sizes, out)
+        torch.distributed.barrier()  # rank 0 may still be writing: the ranks leave together
     finally:
         torch.distributed.destroy_process_group()
 
