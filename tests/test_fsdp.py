@@ -1,6 +1,7 @@
 """FSDP2 sharded training (actor.strategy=fsdp): 2 gloo ranks give the weights of 1 process on the whole batch."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -73,17 +74,26 @@ def train(model_dir: str, world: int = 1, rank: int = 0, local_norm: bool = Fals
     return {k: v.detach().clone() for k, v in full_state_dict(model).items()}
 
 
-def _worker(rank: int, world: int, port: int, model_dir: str, out: str, kwargs: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int):
+    """One spawned rank of a gloo group (torchrun's environment, one thread). After the body the ranks leave
+    together (rank 0 may still be writing), and the group is torn down whatever happened."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        yield
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _worker(rank: int, world: int, port: int, model_dir: str, out: str, kwargs: dict) -> None:
+    with gloo_rank(rank, world, port):
         weights = train(model_dir, world, rank, strategy="fsdp", **kwargs)
         if rank == 0:
             torch.save(weights, out)
-        torch.distributed.barrier()  # rank 0 may still be writing: the ranks leave together
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def train_fsdp(tmp_path, model_dir: str, world: int = 2, **kwargs) -> dict[str, torch.Tensor]:
@@ -155,10 +165,7 @@ def test_sharded_checkpoint_resumes_at_another_rank_count(tmp_path, model_dir, s
 
 
 def _export_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, port):
         model = load_model(model_dir)
         actor = Actor(model, ActorConfig(**CFG, strategy="fsdp"), total_steps=1)
         actor.update(make_batch(0).rows(rank_rows(rank, world)), num_mini_batches=1)
@@ -166,9 +173,6 @@ def _export_worker(rank: int, world: int, port: int, model_dir: str, out_dir: st
         weights = full_state_dict(model)
         if rank == 0:
             torch.save(weights, os.path.join(out_dir, "tlt_weights.pt"))
-        torch.distributed.barrier()  # rank 0 may still be writing: the ranks leave together
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def test_export_hf_from_shards_loads_in_transformers(tmp_path, model_dir):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.test_fsdp import CFG, _free_port, make_batch, rank_rows
+from tests.test_fsdp import CFG, _free_port, gloo_rank, make_batch, rank_rows
 from tests.test_trainer import make_overrides
 from tlt.config import ActorConfig, ConfigError, load_config
 from tlt.models import load_model
@@ -22,14 +22,6 @@ from tlt.rl.weight_sync import stream_state, sync_weights
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 
 
-def _init(rank: int, world: int, port: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    if world > 1 or not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-
-
 def greedy(model_or_dir, model_dtype: str) -> list[list[int]]:
     from tlt import LLM, SamplingParams
     llm = LLM(model=model_or_dir, dtype=model_dtype, device="cpu", max_num_seqs=4, enforce_eager=True)
@@ -38,8 +30,7 @@ def greedy(model_or_dir, model_dtype: str) -> list[list[int]]:
 
 
 def _sync_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
-    _init(rank, world, port)
-    try:
+    with gloo_rank(rank, world, port):
         model = load_model(model_dir)
         actor = Actor(model, ActorConfig(**(CFG | {"lr": 1e-2}), strategy="fsdp"), total_steps=1)
         actor.update(make_batch(0).rows(rank_rows(rank, world)), num_mini_batches=1)
@@ -61,9 +52,6 @@ def _sync_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str)
             result["tokens"] = {key: greedy(r.pop("engine"), "float32" if key[1] == torch.float32 else "bfloat16")
                                 for key, r in result.items() if key not in ("units", "numel")}
             torch.save(result, os.path.join(out_dir, "sync.pt"))
-        torch.distributed.barrier()  # rank 0 may still be writing: the ranks leave together
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def test_weight_sync_from_shards_equals_full_weights(tmp_path, tiny_llama_dir):
@@ -111,16 +99,12 @@ def train_overrides(tmp_path, tiny_dir, **extra) -> list[str]:
 
 
 def _train_worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
-    _init(rank, world, port)
-    try:
+    with gloo_rank(rank, world, port):
         trainer = GRPOTrainer(load_config(None, overrides))
         trainer.fit()
         weights = full_state_dict(trainer.model)
         if rank == 0:
             torch.save(weights, out)
-        torch.distributed.barrier()  # rank 0 may still be writing: the ranks leave together
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def train(tmp_path, overrides: list[str], world: int = 2) -> tuple[dict, list[dict]]:

@@ -7,7 +7,7 @@ import os
 import torch
 import torch.multiprocessing as mp
 
-from tests.test_fsdp import CFG, _free_port, make_batch, rank_rows
+from tests.test_fsdp import CFG, _free_port, gloo_rank, make_batch, rank_rows
 from tlt.config import ActorConfig, load_config
 from tlt.models import load_model
 from tlt.models.loader import read_config
@@ -31,16 +31,10 @@ def measured(model_dir: str, world: int = 1, rank: int = 0, **cfg) -> dict[str, 
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, port):
         sizes = measured(model_dir, world, rank, strategy="fsdp")
         if rank == 0:  # rank 0 holds the largest shards (dim 0 split in ceil-sized rows)
             torch.save(sizes, out)
-        torch.distributed.barrier()  # rank 0 may still be writing: the ranks leave together
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def _plan(model_dir: str, world: int, strategy: str):

@@ -94,6 +94,14 @@ class DrafterBuffer:
             self.num_tokens -= self.samples.popleft().hidden.shape[0]
         return s
 
+    def add_response(self, prompt_ids, output_ids, hidden: torch.Tensor, rl_step: int,
+                     output_start: int = 0) -> DrafterSample | None:
+        """One generated response with the engine's kept states: hidden[i] produced output token output_start + i,
+        i.e. it is h at true position P - 1 + output_start + i (CompletionOutput.hidden_start is output_start)."""
+        P = len(prompt_ids)
+        return self.add(list(prompt_ids) + list(output_ids), hidden, response_start=P, rl_step=rl_step,
+                        hidden_start=P - 1 + output_start)
+
     def add_padded_batch(self, ids: torch.Tensor, hidden: torch.Tensor, attention_mask: torch.Tensor,
                          response_start: int | torch.Tensor, step: int) -> int:
         """ids [B, L], hidden [B, L, H], attention_mask [B, L] (1 = real token; left and/or right padding),

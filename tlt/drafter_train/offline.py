@@ -118,12 +118,9 @@ def generate_into(buffer: DrafterBuffer, llm: tlt.LLM, prompts: list[list[int]],
                                  return_hidden_states=True) for i, t in enumerate(temp_of_request)]
     num_tokens = 0
     for req in llm.generate(prompt_token_ids=ids, sampling_params=params):
-        P = len(req.prompt_token_ids)
         counts += torch.bincount(torch.tensor(req.prompt_token_ids), minlength=counts.numel())
         for out in req.outputs:
-            # hidden_states[i] produced output token i, i.e. it is h at true position P - 1 + i
-            buffer.add(req.prompt_token_ids + out.token_ids, out.hidden_states, response_start=P, rl_step=0,
-                       hidden_start=P - 1)
+            buffer.add_response(req.prompt_token_ids, out.token_ids, out.hidden_states, rl_step=0)
             counts += torch.bincount(torch.tensor(out.token_ids), minlength=counts.numel())
             num_tokens += len(out.token_ids)
     return num_tokens

@@ -158,8 +158,8 @@ class OnlineDrafterHook(DrafterHook):
             for i, completion in enumerate(out.outputs):
                 if completion.hidden_states is None or not completion.token_ids:
                     continue
-                sample = self.buffer.add(prompt + group[i], completion.hidden_states, response_start=len(prompt),
-                                         rl_step=step, hidden_start=len(prompt) - 1 + completion.hidden_start)
+                sample = self.buffer.add_response(prompt, group[i], completion.hidden_states, step,
+                                                  completion.hidden_start)
                 # the n-gram comparison scores whole responses: those with a gap in their kept states sit it out
                 if sample is not None and sample.heldout and len(group[i]) > 1 and completion.hidden_start == 0:
                     self.fresh_heldout.append((sample, prompt, group, i))

@@ -220,9 +220,9 @@ class RolloutReplica:
         with self._buffer_lock:
             for seqs in requests:
                 for s in seqs:
-                    if s.hidden:  # hidden[i] produced output token hidden_start + i: h at P - 1 + hidden_start + i
-                        self.buffer.add(s.prompt_ids + s.output_ids, torch.stack(s.hidden), len(s.prompt_ids),
-                                        rl_step, hidden_start=len(s.prompt_ids) - 1 + s.hidden_start)
+                    if s.hidden:
+                        self.buffer.add_response(s.prompt_ids, s.output_ids, torch.stack(s.hidden), rl_step,
+                                                 s.hidden_start)
                     s.hidden = []
             return self.buffer.num_train_tokens()
 
