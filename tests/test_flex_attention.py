@@ -143,6 +143,17 @@ def test_backend_resolution():
         flex.resolve_backend("paged", torch.device("cpu"))
 
 
+def test_flex_without_flex_attention_is_a_user_error_before_loading(monkeypatch):
+    from tlt.preflight import check_attention_backend
+    from tlt.schema import UserError
+    for name in ("auto", "sdpa", "flex"):
+        check_attention_backend(name)  # this torch has FlexAttention: nothing to refuse
+    monkeypatch.setattr(flex, "flex_available", lambda: False)
+    check_attention_backend("auto")  # auto falls back to sdpa by itself
+    with pytest.raises(UserError, match="rollout.attention=flex"):
+        check_attention_backend("flex")
+
+
 @pytest.mark.parametrize("spec", [None, "tree"])
 def test_static_padded_forward_with_flex(tiny_llama_dir, spec):
     """The graphed forward's static shapes (padded bucket rows, masks over the whole capacity), run uncaptured on

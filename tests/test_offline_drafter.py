@@ -3,6 +3,7 @@ provenance is written, held-out loss goes down; the cached default drafter is bu
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +114,9 @@ def test_warmup_keys_choose_the_build_and_its_own_cache_dir(tiny, tmp_path, monk
     prov = json.loads((path / "provenance.json").read_text())
     assert prov["num_samples"] == 12 and prov["steps"] == 3 and prov["config"]["temperatures"] == "0.7"
     assert offline.default_drafter_path(model_dir, dict(strong)) == path  # same build, same cache entry
+    lines = Path(data).read_text().splitlines(keepends=True)
+    Path(data).write_text("".join(lines[1:] + lines[:1]))  # the same path with other content: another build
+    try:
+        assert offline.drafter_cache_dir(model_dir, strong) != path
+    finally:
+        Path(data).write_text("".join(lines))

@@ -28,11 +28,20 @@ def check_run(cfg: Config) -> None:
             check_prompt_lengths(examples, tokenizer, cfg, split)
     if cfg.reward.custom_function:
         check_reward_function(cfg.reward.custom_function)
+    check_attention_backend(cfg.rollout.attention)
     s = cfg.speculative
     if s.enabled and s.method == "eagle" and s.model is not None:
         check_drafter_dir(s.model)
     check_output_dir(Path(cfg.trainer.default_local_dir) / cfg.trainer.project_name / cfg.trainer.experiment_name,
                      checkpoint_bytes(cfg.model.path))
+
+
+def check_attention_backend(name: str) -> None:
+    """rollout.attention=flex needs FlexAttention in this torch (auto falls back to sdpa by itself)."""
+    from tlt.models.flex import flex_available
+    if name == "flex" and not flex_available():
+        raise UserError("rollout.attention=flex: this torch has no torch.nn.attention.flex_attention (it needs "
+                        "torch >= 2.5); set rollout.attention=auto or sdpa")
 
 
 def check_data_files(paths: list[str], prompt_key: str, key: str) -> list:

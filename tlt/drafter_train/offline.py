@@ -225,10 +225,14 @@ def warmup_build(dt, data: str | None = None) -> dict:
 
 
 def drafter_cache_dir(model_path: str | Path, build: dict | None = None) -> Path:
-    """The default build's drafter is <cache>/drafters/<model name>; any other build's gets a suffix of its own."""
+    """The default build's drafter is <cache>/drafters/<model name>; any other build's gets a suffix of its own,
+    which covers the prompt file's content (an edited file is another build), not only its path."""
     name = Path(model_path).name
     if build is not None and _canonical(build) != _canonical(DEFAULT_BUILD):
-        name += "-" + hashlib.sha256(json.dumps(_canonical(build), sort_keys=True).encode()).hexdigest()[:10]
+        key = _canonical(build)
+        if key.get("data"):
+            key["data_sha256"] = hashlib.sha256(Path(key["data"]).read_bytes()).hexdigest()
+        name += "-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     return cache_root() / "drafters" / name
 
 
