@@ -172,23 +172,28 @@ def _weights(run_dir) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_two_placed_ranks_take_the_steps_of_one(ray_fake_gpus, tmp_path, tiny_dir):
     """Disaggregated, one replica: 1 trainer rank vs 2 Ray-launched ranks (the same replica decodes the same whole
-    batch) give the same weights after 2 steps; ranks that normalise by their own tokens do not (control)."""
+    batch) give the same weights after 2 steps, with DDP and with FSDP; ranks that normalise by their own tokens
+    do not (control)."""
     from tlt.rl.trainer import main
     from tlt.workers.trainer_group import run_trainer_ranks
 
-    def overrides(name: str, gpus: int) -> list[str]:
+    def overrides(name: str, gpus: int, strategy: str = "ddp") -> list[str]:
         return make_overrides(tmp_path / name, tiny_dir, **{"actor.bf16_autocast": False, "rollout.n": 4,
+                                                            "actor.strategy": strategy,
                                                             "trainer.placement": "disaggregated",
                                                             "trainer.n_gpus_per_node": gpus,
                                                             "trainer.rollout_gpus": 1})
     assert main(overrides("one", 2)) == 0
     assert main(overrides("two", 3)) == 0
-    one, two = (tmp_path / name / "runs" / "tlt" / "default" for name in ("one", "two"))
-    w1, w2 = _weights(one), _weights(two)
+    assert main(overrides("fsdp", 3, "fsdp")) == 0
+    one, two, fsdp = (tmp_path / name / "runs" / "tlt" / "default" for name in ("one", "two", "fsdp"))
+    w1 = _weights(one)
     moved = [k for k in w1 if not torch.equal(w1[k], load_file(str(tiny_dir) + "/model.safetensors")[k])]
     assert moved, "the policy did not move: the comparison would be empty"
-    for k in w1:
-        torch.testing.assert_close(w2[k], w1[k], atol=2e-5, rtol=0)
+    for w in (_weights(two), _weights(fsdp)):
+        for k in w1:
+            torch.testing.assert_close(w[k], w1[k], atol=2e-5, rtol=0)
+    assert (fsdp / "global_step_2" / "actor_shards").is_dir()  # FSDP's own checkpoint layout, as under torchrun
     m1, m2 = ([json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (one, two))
     assert [m["critic/score/mean"] for m in m1] == pytest.approx([m["critic/score/mean"] for m in m2])
     assert (two / "report.html").is_file() and (two / "global_step_2").is_dir()  # rank 0 wrote the outputs

@@ -4,6 +4,7 @@
     tlt train configs/smoke.yaml                       # one-minute run on a tiny random model (no downloads)
     tlt train configs/smoke.yaml rollout.n=8 trainer.total_steps=4
     torchrun --nproc_per_node 2 -m tlt train configs/smoke.yaml      # data parallel (gloo on CPU, NCCL on GPU)
+    tlt train CONFIG trainer.placement=colocated trainer.n_gpus_per_node=8   # ranks as Ray actors on a placement
 
 One step, as `fit()` reads: take data.train_batch_size prompts (each data-parallel rank rolls out its share),
 sample rollout.n responses per prompt, score them, compute GRPO advantages, take the old log-probs, run
@@ -30,6 +31,8 @@ over ranks with losses normalised by global token counts, so N ranks take the sa
 With actor.strategy=fsdp (under torchrun) the policy and the reference model are FSDP2 shards; each rank's engine
 decodes its own full copy, refreshed from the shards layer by layer after every update (tlt.rl.weight_sync,
 docs/design.md §12), and checkpoints add the shards of the weights and AdamW state (tlt.rl.sharded_checkpoint).
+With trainer.placement the ranks are Ray actors on a placement group (tlt.rl.launch, tlt.workers.trainer_group) and
+rank 0 rolls out every rank's prompts on the placed replicas (docs/design.md §13).
 """
 from __future__ import annotations
 
