@@ -53,8 +53,10 @@ class TrainerRank:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def run(self, fn: Callable[..., Any], args: tuple, master: tuple[str, int], cwd: str) -> Any:
+        # Ray shows the actor its bundle's GPU alone (cuda:0), unless told not to set CUDA_VISIBLE_DEVICES
+        gpus = ray.get_gpu_ids() if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES") else []
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(gpus[0]) if gpus else "0")
         if os.path.isdir(cwd):  # relative paths in the config mean what they meant where `tlt train` ran
             os.chdir(cwd)
         return fn(*args)
