@@ -58,7 +58,7 @@ def test_7b_at_32k_responses_needs_chunked_log_probs(capsys):
 
 def test_launch_shape_is_checked_before_any_work():
     """Under torchrun the ranks must be what trainer.nnodes x n_gpus_per_node says (what `tlt plan` planned), and a
-    placement (replicas built by one process) is refused; one plain process with the defaults passes."""
+    placement (which launches the ranks itself) is refused; one plain process with the defaults passes."""
     from tlt.config import load_config
     from tlt.rl.trainer import check_launch
     from tlt.schema import ConfigError
@@ -70,5 +70,6 @@ def test_launch_shape_is_checked_before_any_work():
     placed = load_config(None, ["trainer.placement=colocated", "trainer.n_gpus_per_node=2",
                                 "data.train_batch_size=2"])
     check_launch(placed.trainer, 1)
-    with pytest.raises(ConfigError, match="trainer.placement=none"):
+    with pytest.raises(ConfigError, match="drop torchrun and run `tlt train CONFIG trainer.placement=colocated"):
         check_launch(placed.trainer, 2)
+    check_launch(placed.trainer, 2, placed=True)  # the ranks that placement launched

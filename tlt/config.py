@@ -185,11 +185,12 @@ class TrainerConfig:
     num_rollout_workers: int = _f(1, "rollout replicas", ge=1)
     use_ray: bool = _f(False, "run rollout workers as Ray actors")
     placement: Literal["none", "colocated", "disaggregated"] = _f(
-        "none", "GPU placement of the Ray rollout replicas (one Ray placement group of nnodes * n_gpus_per_node "
-                "one-GPU bundles): colocated = a replica on every GPU, sharing it with a trainer rank (half each; "
-                "the replica frees its KV cache between rollouts); disaggregated = replicas (and their spot "
-                "drafter training) on the last rollout_gpus GPUs, trainer ranks on the rest; none = no placement "
-                "group (num_rollout_workers replicas, one GPU each on CUDA)")
+        "none", "GPU placement of the trainer ranks and Ray rollout replicas (one Ray placement group of nnodes * "
+                "n_gpus_per_node one-GPU bundles; `tlt train` launches the trainer ranks as Ray actors, without "
+                "torchrun): colocated = a trainer rank and a replica on every GPU (half each; the replica frees its "
+                "KV cache between rollouts); disaggregated = replicas (and their spot drafter training) on the last "
+                "rollout_gpus GPUs, trainer ranks on the rest; none = no placement group (torchrun launches the "
+                "ranks; num_rollout_workers replicas, one GPU each on CUDA)")
     nnodes: int = _f(1, "nodes: of the Ray cluster the placement group spans; placement=none: of the torchrun "
                         "launch (checked against WORLD_SIZE when > 1 GPU; verl's trainer.nnodes)", ge=1)
     n_gpus_per_node: int = _f(1, "GPUs used on each node: bundles of the placement group, or torchrun's "

@@ -4,6 +4,7 @@
     tlt train configs/smoke.yaml                       # one-minute run on a tiny random model (no downloads)
     tlt train configs/smoke.yaml rollout.n=8 trainer.total_steps=4
     torchrun --nproc_per_node 2 -m tlt train configs/smoke.yaml      # data parallel (gloo on CPU, NCCL on GPU)
+    tlt train CONFIG trainer.placement=colocated trainer.n_gpus_per_node=8   # ranks as Ray actors on a placement
 
 One step, as `fit()` reads: take data.train_batch_size prompts (each data-parallel rank rolls out its share),
 sample rollout.n responses per prompt, score them, compute GRPO advantages, take the old log-probs, run
@@ -30,6 +31,8 @@ over ranks with losses normalised by global token counts, so N ranks take the sa
 With actor.strategy=fsdp (under torchrun) the policy and the reference model are FSDP2 shards; each rank's engine
 decodes its own full copy, refreshed from the shards layer by layer after every update (tlt.rl.weight_sync,
 docs/design.md §12), and checkpoints add the shards of the weights and AdamW state (tlt.rl.sharded_checkpoint).
+With trainer.placement the ranks are Ray actors on a placement group (tlt.rl.launch, tlt.workers.trainer_group) and
+rank 0 rolls out every rank's prompts on the placed replicas (docs/design.md §13).
 """
 from __future__ import annotations
 
@@ -39,7 +42,6 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,88 +49,36 @@ import torch
 import torch.distributed as dist
 
 from tlt.config import Config, ConfigError, format_config, load_config
-from tlt.device import DTYPES, resolve_device
+from tlt.device import DTYPES
 from tlt.drafter_train.hook import DrafterHook
 from tlt.engine.outputs import RequestOutput
 from tlt.faults import fault_point
 from tlt.preflight import check_run
 from tlt.rl import fsdp
 from tlt.rl.actor import Actor
-from tlt.rl.advantages import compute_advantages, get_adv_estimator, groups_to_keep, keep_mask
+from tlt.rl.advantages import compute_advantages, groups_to_keep, keep_mask
 from tlt.rl.checkpoint import (CheckpointManager, TrainerState, capture_rng_state, copy_hf_side_files,
                                load_trainer_state, restore_rng_state)
 from tlt.rl.data import PromptDataset, load_examples
-from tlt.rl.losses import get_policy_loss
+from tlt.rl.launch import (DistInfo, check_launch, check_ranks, config_device, gather, init_distributed,
+                           prepare_config, train_on_placement)
 from tlt.rl.logging import MetricsLogger, PhaseTimer, flat_numbers, reduce_metrics, rollout_metrics
 from tlt.rl.rewards import RewardManager
 from tlt.rl.rollout import ActorBatch, RolloutBatch, generate_rollouts, rollout_seed, sampling_params_for
 from tlt.rl.sharded_checkpoint import SHARDS_DIR, consolidated, load_sharded, save_sharded
-from tlt.rl.tiny_model import TINY_MODEL_NAME
 from tlt.rl.weight_sync import SyncStats, rollout_state_dict, sync_weights
 
 if TYPE_CHECKING:
     from tlt.models.decoder import Decoder
 
 MAX_GEN_BATCHES = 4  # DAPO dynamic sampling: rollout rounds per step before training on what was kept
-DEFAULT_TRAIN_SIZE, DEFAULT_VAL_SIZE = 2048, 64  # default task files when tlt.tasks has no default_datasets()
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"  # `tlt train` with no CONFIG
-
-
-@dataclass
-class DistInfo:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def config_device(cfg: Config) -> torch.device:
-    """model.device resolved on this machine; a ConfigError naming the key where it cannot run here."""
-    try:
-        return resolve_device(cfg.model.device)
-    except ValueError as e:
-        raise ConfigError(f"model.device: {e}") from None
-
-
-def init_distributed(device_type: str = "cpu", single_rank: bool = False) -> DistInfo:
-    """Join the torchrun process group when WORLD_SIZE > 1 (NCCL when the model runs on CUDA, else gloo), or with
-    `single_rank` also a one-process torchrun group (FSDP needs one); idempotent."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    launched = world > 1 or (single_rank and "MASTER_ADDR" in os.environ and "RANK" in os.environ)
-    if launched and not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    if not dist.is_initialized():
-        return DistInfo()
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-
-
-def check_launch(t, world_size: int) -> None:
-    """Placement and torchrun do not combine yet: placed replicas are built by one process. Under torchrun,
-    trainer.nnodes x n_gpus_per_node (what `tlt plan` assumes) must match the ranks launched."""
-    if t.placement != "none" and world_size > 1:
-        raise ConfigError(f"trainer.placement={t.placement} places the rollout replicas from one trainer process; "
-                          f"under torchrun ({world_size} ranks) each rank decodes with its own engine: set "
-                          "trainer.placement=none")
-    planned = t.nnodes * t.n_gpus_per_node
-    if t.placement == "none" and planned > 1 and planned != world_size:
-        raise ConfigError(f"trainer.nnodes x trainer.n_gpus_per_node = {planned} ranks, but {world_size} were "
-                          f"launched: run torchrun with --nnodes {t.nnodes} --nproc_per_node {t.n_gpus_per_node}, "
-                          "or set the two keys to what you launch")
-
-
-def gather(obj: Any, info: DistInfo) -> list[Any]:
-    if info.world_size == 1:
-        return [obj]
-    out: list[Any] = [None] * info.world_size
-    dist.all_gather_object(out, obj)
-    return out
+__all__ = ["GRPOTrainer", "DistInfo", "check_launch", "prepare_config", "spot_training", "run_rank", "main"]
 
 
 class GRPOTrainer:
-    def __init__(self, cfg: Config, drafter_hook: DrafterHook | None = None):
+    def __init__(self, cfg: Config, drafter_hook: DrafterHook | None = None, placed: bool = False):
+        """placed: this process is a trainer rank that trainer.placement launched (tlt.workers.trainer_group)."""
         from tlt.llm import LLM
         from tlt.models.loader import load_model, load_tokenizer
 
@@ -139,25 +89,13 @@ class GRPOTrainer:
             raise ConfigError("actor.strategy=fsdp needs torch.distributed: launch with torchrun, e.g. `torchrun "
                               "--nproc_per_node 2 -m tlt train CONFIG ...`; for one plain process set "
                               "actor.strategy=ddp")
-        check_launch(cfg.trainer, self.dist.world_size)
+        check_launch(cfg.trainer, self.dist.world_size, placed)
+        self.placed = placed
+        self.prompts_per_rank, self.num_mini_batches = check_ranks(cfg, self.dist.world_size)
         prepare_config(cfg, self.dist)
         if self.dist.is_main:
             print(format_config(cfg), flush=True)  # resolved: the default model, data and drafter filled in
         d, t = cfg.data, cfg.trainer
-        if d.train_batch_size % self.dist.world_size:
-            raise ConfigError(f"data.train_batch_size={d.train_batch_size} must be divisible by the number of "
-                              f"data-parallel ranks ({self.dist.world_size})")
-        for get, name in ((get_policy_loss, cfg.actor.policy_loss), (get_adv_estimator, cfg.algorithm.adv_estimator)):
-            try:  # a misspelt name fails here, not at the first update after a rollout
-                get(name)
-            except KeyError as e:
-                raise ConfigError(e.args[0]) from None
-        self.prompts_per_rank = d.train_batch_size // self.dist.world_size
-        self.num_mini_batches = d.train_batch_size // (cfg.actor.ppo_mini_batch_size or d.train_batch_size)
-        if self.prompts_per_rank % self.num_mini_batches:  # each rank splits its own prompts into the mini-batches
-            raise ConfigError(f"actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} on {self.dist.world_size} "
-                              f"ranks: each rank's {self.prompts_per_rank} prompts must split into "
-                              f"{self.num_mini_batches} mini-batches; use a multiple of {self.dist.world_size}")
         self.device = torch.device("cuda", self.dist.local_rank) if device.type == "cuda" else device
         torch.manual_seed(t.seed)
         self.run_dir = Path(t.default_local_dir) / t.project_name / t.experiment_name
@@ -400,8 +338,8 @@ class GRPOTrainer:
         rcfg.speculative = self._speculative_config()
         if t.placement != "none":  # replicas on a Ray placement group's GPU bundles (tlt/workers/placement.py)
             from tlt.workers.placement import placed_rollout_from_config
-            return placed_rollout_from_config(self.cfg, self.model, rcfg, SpotConfig.from_config(self.cfg),
-                                              self.tokenizer)
+            return placed_rollout_from_config(self.cfg, self.rollout_model, rcfg, SpotConfig.from_config(self.cfg),
+                                              self.tokenizer, shared_by_ranks=self.placed)
         gpu = {"num_gpus": 1} if self.device.type == "cuda" else None
         return SpotRollout(self.rollout_model, max(t.num_rollout_workers, 1), rcfg, SpotConfig.from_config(self.cfg),
                            actor_options=gpu, tokenizer=self.tokenizer)
@@ -478,31 +416,6 @@ class GRPOTrainer:
 # ---------------------------------------------------------------- command line
 
 
-def write_default_datasets(out_dir: str | Path, n_train: int = DEFAULT_TRAIN_SIZE, n_val: int = DEFAULT_VAL_SIZE,
-                           seed: int = 0) -> tuple[Path, Path]:
-    """train.jsonl / val.jsonl of the default task (verl rows), written once into out_dir."""
-    from tlt.tasks.default_task import make_examples
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for split, n in (("train", n_train), ("val", n_val)):
-        path = out_dir / f"{split}.jsonl"
-        if not path.is_file():
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text("".join(json.dumps(row) + "\n" for row in make_examples(split, n, seed)))
-            os.replace(tmp, path)
-        paths.append(path)
-    return paths[0], paths[1]
-
-
-def _on_main(info: DistInfo, fn):
-    """fn() on rank 0 only; its (picklable) result is broadcast to every rank."""
-    box = [fn() if info.is_main else None]
-    if info.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def spot_training(setting: bool | None, device: torch.device, world_size: int = 1) -> bool:
     """drafter_train.spot: true, false, or null = true where a CPU core is idle during the rollout (the model on
     CPU and this machine's processes using fewer torch threads in all than it has cores)."""
@@ -510,37 +423,6 @@ def spot_training(setting: bool | None, device: torch.device, world_size: int = 
         return setting
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return device.type == "cpu" and torch.get_num_threads() * world_size < cores
-
-
-def prepare_config(cfg: Config, info: DistInfo) -> None:
-    """Resolve model.path (null = default model, tiny-random = the built-in tiny model), the default data files and
-    the default drafter (default model + eagle + speculative.model=null: the cached warm-up drafter)."""
-    default_data = not cfg.data.train_files
-    if default_data:
-        import tlt.tasks.default_task as default_task
-        out_dir = Path(cfg.trainer.default_local_dir) / "data" / "default_task"
-        make = getattr(default_task, "default_datasets", None) or write_default_datasets
-        train_path, val_path = _on_main(info, lambda: make(str(out_dir)))  # written once, by rank 0
-        cfg.data.train_files = [str(train_path)]
-        cfg.data.val_files = cfg.data.val_files or [str(val_path)]
-    if cfg.model.path is None:
-        from tlt.models.smollm import default_model_path
-        try:
-            cfg.model.path = str(_on_main(info, default_model_path))
-        except (FileNotFoundError, ImportError) as e:
-            raise ConfigError(f"model.path is null (the default model) but it is not available: {e}") from None
-        s = cfg.speculative
-        if s.enabled and s.method == "eagle" and s.model is None:
-            from tlt.drafter_train.offline import default_drafter_path, warmup_build  # built once, then cached
-            build = warmup_build(cfg.drafter_train, None if default_data else cfg.data.train_files[0])
-            s.model = str(_on_main(info, lambda: default_drafter_path(cfg.model.path, build)))
-    elif cfg.model.path == TINY_MODEL_NAME:
-        from tlt.rl.tiny_model import tiny_random_model_path
-        if info.is_main:
-            tiny_random_model_path()
-        if info.world_size > 1:
-            dist.barrier()  # rank 0 builds it once; the others then find it in the cache
-        cfg.model.path = str(tiny_random_model_path())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -552,15 +434,25 @@ def main(argv: list[str] | None = None) -> int:
     overrides = argv[1:] if config_path else argv
     config_path = config_path or str(DEFAULT_CONFIG)  # no CONFIG: the out-of-the-box recipe
     cfg = load_config(config_path, overrides)
-    trainer = GRPOTrainer(cfg)
-    info = trainer.dist
+    if cfg.trainer.placement != "none" and "WORLD_SIZE" not in os.environ:  # not torchrun: placement launches ranks
+        summary = train_on_placement(cfg, run_rank)
+    else:
+        summary = run_rank(cfg, placed=False)
+    if summary is not None:  # rank 0's
+        print(json.dumps(summary), flush=True)
+    return 0
+
+
+def run_rank(cfg: Config, placed: bool = True) -> dict[str, Any] | None:
+    """Train as this process's rank; rank 0 also writes the run report and returns the summary (others None)."""
+    trainer = GRPOTrainer(cfg, placed=placed)
     summary = trainer.fit()
-    if info.is_main:
+    if trainer.dist.is_main:
         from tlt.rl.run_summary import finish_run
-        print(json.dumps(finish_run(trainer, summary)), flush=True)
+        summary = finish_run(trainer, summary)
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return summary if trainer.dist.is_main else None
 
 
 if __name__ == "__main__":

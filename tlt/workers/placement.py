@@ -4,6 +4,7 @@
     pg = create_placement_group(a)                                       # 16 bundles of {GPU: 1, CPU: 1}
     opts = rollout_options(pg, a, replica=3)                             # Ray actor options on bundle 3
     rollout = PlacedRollout(model_dir, a, replica_cfg, spot)             # SpotRollout with every replica placed
+    ranks = run_trainer_ranks(a, fn, cfg)       # tlt.workers.trainer_group: trainer ranks as actors, fn in each
 
 Ray's own API does the work: `ray.util.placement_group` reserves the bundles (PACK: as few nodes as possible, a
 node's GPUs before the next node's) and `PlacementGroupSchedulingStrategy` puts an actor on one bundle. Colocated:
@@ -11,17 +12,22 @@ trainer rank i and rollout replica i share bundle i, each asking for half of its
 its KV cache) after each rollout so the update has the memory; disaggregated: whole GPUs, trainer ranks on the
 first bundles, replicas on the rest, and the spot drafter training runs on the replicas' GPUs (docs/design.md
 §13). Which GPU an actor sees is Ray's business (CUDA_VISIBLE_DEVICES); whether it runs on CUDA is the
-device config's (ReplicaConfig.device), so fake GPU resources on a CPU machine test the placement.
+device config's (ReplicaConfig.device), so fake GPU resources on a CPU machine test the placement. Under `tlt
+train` the trainer ranks are Ray actors on their bundles (tlt.workers.trainer_group) and rank 0 owns the
+PlacedRollout, which every rank reaches through a RankSharedRollout (tlt.workers.shared_rollout).
 """
 from __future__ import annotations
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+import torch.distributed as dist
+from ray.util.placement_group import (PlacementGroup, get_current_placement_group, placement_group,
+                                      remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tlt.workers.bundles import Assignment, assign_bundles
 from tlt.workers.ray_rollout import SpotRollout
 from tlt.workers.rollout_worker import ReplicaConfig, RolloutReplica
+from tlt.workers.shared_rollout import RankSharedRollout
 from tlt.workers.spot import SpotConfig
 
 __all__ = ["Assignment", "assign_bundles", "create_placement_group", "trainer_options", "rollout_options",
@@ -61,36 +67,50 @@ def rollout_options(pg: PlacementGroup, a: Assignment, replica: int) -> dict:
 
 class PlacedRollout(SpotRollout):
     """SpotRollout with one replica per rollout bundle of `a`; colocated replicas sleep between rollouts.
-    close() also gives the bundles back."""
+    placement_group: an existing one holding `a`'s bundles (the trainer ranks' launcher made it), else one is
+    reserved here; close() gives back the one it reserved."""
 
     def __init__(self, model, a: Assignment, replica_cfg: ReplicaConfig | None = None, spot: SpotConfig | None = None,
                  tokenizer=None, replica_cls: type[RolloutReplica] = RolloutReplica, ray_init: dict | None = None,
-                 placement_group_timeout_s: float = 60):
+                 placement_group_timeout_s: float = 60, placement_group: PlacementGroup | None = None):
         owns_ray = not ray.is_initialized()
         if owns_ray:  # no address: joins the cluster `ray start` made on this node, else starts a local one
             ray.init(**(ray_init or {"include_dashboard": False}))
         self.assignment = a
-        self.placement_group = create_placement_group(a, timeout_s=placement_group_timeout_s)
+        self._owns_placement_group = placement_group is None
+        self.placement_group = placement_group or create_placement_group(a, timeout_s=placement_group_timeout_s)
         options = [rollout_options(self.placement_group, a, r) for r in range(len(a.rollout_bundles))]
         try:
             super().__init__(model, len(options), replica_cfg, spot, tokenizer=tokenizer, replica_cls=replica_cls,
                              replica_options=options, sleep_between_steps=a.mode == "colocated")
         except Exception:
-            remove_placement_group(self.placement_group)
+            if self._owns_placement_group:
+                remove_placement_group(self.placement_group)
             raise
         self._owns_ray = owns_ray
 
     def close(self) -> None:
         for actor in self.actors.values():
             ray.kill(actor)
-        remove_placement_group(self.placement_group)
+        if self._owns_placement_group:
+            remove_placement_group(self.placement_group)
         if self._owns_ray:
             ray.shutdown()
 
 
-def placed_rollout_from_config(cfg, model, replica_cfg: ReplicaConfig, spot: SpotConfig, tokenizer=None
-                               ) -> PlacedRollout:
-    """The rollout `tlt train` runs under trainer.placement (the keys were checked at config load)."""
+def placed_rollout_from_config(cfg, model, replica_cfg: ReplicaConfig, spot: SpotConfig, tokenizer=None,
+                               shared_by_ranks: bool = False) -> PlacedRollout | RankSharedRollout:
+    """The rollout `tlt train` runs under trainer.placement (the keys were checked at config load).
+    shared_by_ranks: this process is a trainer rank launched on the placement group (tlt.workers.trainer_group):
+    rank 0 places the replicas on that group's rollout bundles and every rank reaches them through a
+    RankSharedRollout (a collective: every rank builds one)."""
     t = cfg.trainer
     a = assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus)
-    return PlacedRollout(model, a, replica_cfg, spot, tokenizer=tokenizer)
+    if not shared_by_ranks:
+        return PlacedRollout(model, a, replica_cfg, spot, tokenizer=tokenizer)
+    pg = get_current_placement_group()
+    if pg is None:
+        raise RuntimeError("a trainer rank launched by trainer.placement must run on its placement group's bundle")
+    is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    owner = PlacedRollout(model, a, replica_cfg, spot, tokenizer=tokenizer, placement_group=pg) if is_rank0 else None
+    return RankSharedRollout(owner)
