@@ -21,6 +21,7 @@ eagerly (any device): the tests check the padding and the static mask on CPU wit
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -30,6 +31,30 @@ from tlt.models.decoder import CacheView, Decoder
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 ROUND = 256  # cache capacity grows in steps of this many positions while graphs are in use
 MAX_TOKENS = 64  # new tokens per row up to which forwards are graphed (the GPU arm table verifies at most 49)
+
+
+@dataclass
+class GraphPool:
+    """The memory pool that every graph of an engine shares, the target's and the drafter's
+    (tlt.speculative.draft_graph): graphs replay one at a time and each copies its outputs out at once."""
+    handle: Any = None
+    num_captured: int = 0
+
+    def capture(self, run: Callable[[], Any]) -> tuple["torch.cuda.CUDAGraph", Any]:
+        """Capture `run` (reading and writing only static tensors) -> (graph, its outputs). Warm-up first on a side
+        stream (cuBLAS / allocator set-up must not happen inside capture), with the same inputs, so whatever the
+        warm-up writes is what a replay writes."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.handle):
+            out = run()
+        self.handle = graph.pool()
+        self.num_captured += 1
+        return graph, out
 
 
 @dataclass
@@ -44,17 +69,17 @@ class _Graph:
 
 
 class GraphedForward:
-    def __init__(self, model: Decoder, kv: KVCache, capture: bool = True):
+    def __init__(self, model: Decoder, kv: KVCache, capture: bool = True, pool: GraphPool | None = None):
         self.model, self.kv, self.capture = model, kv, capture
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.cache_key = None
-        self.pool = None
+        self.pool = pool or GraphPool()
         self.num_captured = 0
         kv.round_to = max(kv.round_to, ROUND)
 
     def release(self) -> None:
         """Drop the captured graphs and their memory pool (they point into a KV cache that is being freed)."""
-        self.graphs, self.cache_key, self.pool = {}, None, None
+        self.graphs, self.cache_key, self.pool.handle = {}, None, None
 
     def serves(self, B: int, T: int) -> bool:
         return T <= MAX_TOKENS and B <= self.kv.num_slots
@@ -110,15 +135,5 @@ class GraphedForward:
         return self.model(g.ids, g.positions, view)
 
     def _capture(self, g: _Graph) -> None:
-        # warm-up on a side stream (cuBLAS / allocator set-up must not happen inside capture); the step's own inputs,
-        # so the K/V these forwards write are the ones the step writes
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._run(g)
-        torch.cuda.current_stream().wait_stream(stream)
-        g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self.pool):
-            g.out = self._run(g)
-        self.pool = g.graph.pool()
+        g.graph, g.out = self.pool.capture(lambda: self._run(g))
         self.num_captured += 1

@@ -60,5 +60,7 @@ class KVCache:
         for t in self.k + self.v:
             t[r, :, d_] = t[r, :, s_]
 
-    def view(self, cache_lens: torch.Tensor, slot_start: int = 0, tree_mask: torch.Tensor | None = None) -> CacheView:
-        return CacheView(self.k, self.v, cache_lens, slot_start, tree_mask)
+    def view(self, cache_lens: torch.Tensor, slot_start: int = 0, tree_mask: torch.Tensor | None = None,
+             static: bool = False) -> CacheView:
+        """static: masks over the whole capacity, no host read of cache_lens (a CUDA graph's forward)."""
+        return CacheView(self.k, self.v, cache_lens, slot_start, tree_mask, static)

@@ -61,14 +61,15 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, target_logprobs(logits, torch.zeros(logits.shape[0], device=logits.device), ids)
 
 
-def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def sample_from(probs: torch.Tensor, u: torch.Tensor, static: bool = False) -> torch.Tensor:
     """Inverse-CDF draw in vocabulary order: probs [N, V] (unnormalised weights are fine), u [N] in [0, 1) -> token
     ids [N], the i with cdf[i-1] <= u * total < cdf[i]. Never a zero-probability token. Plain decoding and
-    speculative verification both draw with this function, so a row's u yields the same token in either."""
+    speculative verification both draw with this function, so a row's u yields the same token in either.
+    static: the same ids without reading the device on the host (inside a CUDA graph; a little more work)."""
     cdf = probs.cumsum(-1)
     ids = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True)[:, 0]
     over = ids >= probs.shape[-1]
-    if bool(over.any()):  # u * total rounded up to the total: take the last token with positive weight
+    if static or bool(over.any()):  # u * total rounded up to the total: take the last token with positive weight
         last = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(-1)
         ids = torch.where(over, last, ids)
     return ids

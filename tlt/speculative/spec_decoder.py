@@ -28,7 +28,8 @@ from tlt.schema import ConfigError
 from tlt.speculative.config import SpecConfig
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.ngram import NgramDrafter
-from tlt.speculative.tree_draft import draft_chain_sampled, draft_tree
+from tlt.speculative.draft_graph import DraftShape, DraftStep, GraphedDrafter
+from tlt.speculative.tree_draft import draft_chain_sampled, draft_tree, draw_uniforms
 from tlt.speculative.verify import (chain_to_tree, emitted_logprobs, tree_layout, uniforms_from, verify_deterministic,
                              verify_stochastic)
 
@@ -47,6 +48,10 @@ class SpecDecoder:
                                      close=cfg.close_buckets)
         self.dcache = KVCache(self.model.cfg, engine.num_slots, engine.dtype, engine.device, num_layers=1) \
             if drafter else None
+        # the drafter's per-depth forwards through CUDA graphs where the engine graphs its own (docs/design.md §9)
+        pool = engine.graph_pool
+        self.draft_graphs = GraphedDrafter(self.drafter, self.dcache, capture=engine.device.type == "cuda",
+                                           pool=pool) if drafter is not None and pool is not None else None
         self.hist: dict[int, torch.Tensor] = {}   # seq_id -> [max_total_len, H] target hidden h_t per position
         self.dcached: dict[int, int] = {}         # seq_id -> committed drafter-cache entries (positions 1..n)
         self.low_steps = 0
@@ -102,6 +107,16 @@ class SpecDecoder:
     def record_decode_time(self, seconds: float) -> None:
         """Split decode time into the bulk (batch above the threshold, SD off) and the tail (SD gate on)."""
         self.st["tail_time_s" if self._gate_on else "bulk_time_s"] += seconds
+
+    @property
+    def num_graph_captures(self) -> int:
+        """The drafter's CUDA graphs captured so far (the engine adds them to its own count)."""
+        return 0 if self.draft_graphs is None else self.draft_graphs.num_captured
+
+    def release_graphs(self) -> None:
+        """Drop the drafter's graphs (the engine's sleep frees the drafter cache they point into)."""
+        if self.draft_graphs is not None:
+            self.draft_graphs.release()
 
     # ---- engine hooks ---------------------------------------------------------------------------------------
     def on_add(self, seq: Sequence) -> None:
@@ -216,22 +231,17 @@ class SpecDecoder:
             draft = torch.tensor([p + [0] * (k - len(p)) for p in props], device=dev)
             tokens, parents, valid = chain_to_tree(roots, draft, torch.tensor([len(p) for p in props], device=dev))
             q = None
+            mask, depths = tree_layout(parents, valid)
         else:
             t_catchup = time.perf_counter()
             root_pred = self._drafter_catch_up(seqs)
             self.st["catchup_time_s"] += time.perf_counter() - t_catchup
-            self.dcache.ensure_capacity(int(n.max()) + arm.depth * arm.topk + 1)
-            if self.cfg.acceptance == "rejection" and arm.method == "eagle_chain":
-                tree = draft_chain_sampled(self.drafter, self.dcache, roots, root_pred, n, n, arm.depth, temp,
-                                           uniforms_from(gens))
-            else:
-                tree = draft_tree(self.drafter, self.dcache, roots, root_pred, n, n, arm.depth, arm.topk,
-                                  arm.num_draft_tokens)
-            tokens, parents, q = tree.tokens, tree.parents, tree.q
+            drafted = self._draft(seqs, arm, roots, root_pred, n, temp, gens)
+            tokens, parents, q = drafted.tree.tokens, drafted.tree.parents, drafted.tree.q
+            mask, depths = drafted.mask, drafted.depths  # a drafted tree has every node valid
             valid = torch.ones_like(tokens, dtype=torch.bool)
         t1 = time.perf_counter()
-        # a drafted tree has every node valid: its mask and depths come from one ancestor closure
-        logits, hidden = self._verify_forward(seqs, tokens, parents, valid if arm.method == "ngram" else None)
+        logits, hidden = self._verify_forward(seqs, tokens, mask, depths)
         p = self._target_probs(seqs, logits)
         if q is not None:  # drafts drawn from q: Leviathan/Chen rejection sampling
             result = self.stochastic_verify_fn(p, q, tokens, parents, valid, gens)
@@ -273,9 +283,29 @@ class SpecDecoder:
         last = torch.tensor([e - st for st, e in zip(starts, ends)], device=dev)
         return out[torch.arange(len(seqs), device=dev), last]
 
+    def _draft(self, seqs, arm: Arm, roots, root_pred, n, temp, gens) -> DraftStep:
+        """The drafter's tree (or chain) for this step and its verify layout: through the drafting graphs where the
+        engine graphs its forwards (tlt.speculative.draft_graph), else eagerly (the same code)."""
+        max_n = max(s.num_cached for s in seqs)
+        sampled = self.cfg.acceptance == "rejection" and arm.method == "eagle_chain"
+        # the sampled chain's draws, level by level before drafting: the rows' generators advance as they did when
+        # each level drew its own
+        uniforms = draw_uniforms(uniforms_from(gens), len(seqs), arm.depth).to(n.device) if sampled else None
+        if self.draft_graphs is not None:
+            shape = DraftShape(arm.depth, arm.topk, arm.num_draft_tokens, sampled)
+            return self.draft_graphs.draft(shape, roots, root_pred, n, max_n, temp, uniforms)
+        self.dcache.ensure_capacity(max_n + arm.depth * arm.topk + 1)
+        if sampled:
+            tree = draft_chain_sampled(self.drafter, self.dcache, roots, root_pred, n, n, arm.depth, temp, uniforms)
+        else:
+            tree = draft_tree(self.drafter, self.dcache, roots, root_pred, n, n, arm.depth, arm.topk,
+                              arm.num_draft_tokens)
+        with torch.inference_mode():
+            mask, depths = tree_layout(tree.parents)
+        return DraftStep(tree, mask, depths)
+
     @torch.inference_mode()
-    def _verify_forward(self, seqs, tokens, parents, valid):
-        mask, depths = tree_layout(parents, valid)
+    def _verify_forward(self, seqs, tokens, mask, depths):
         hidden = self.engine.tree_forward(seqs, tokens, depths, mask)
         return self.model.logits(hidden), hidden
 
