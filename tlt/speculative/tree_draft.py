@@ -83,7 +83,8 @@ def draft_chain_sampled(drafter: Drafter, dcache, root_tokens: torch.Tensor, roo
 
 @torch.inference_mode()
 def draft_tree(drafter: Drafter, dcache, root_tokens: torch.Tensor, root_pred: torch.Tensor, root_pos: torch.Tensor,
-               cache_lens: torch.Tensor, depth: int, topk: int, num_draft_tokens: int, static: bool = False) -> DraftTree:
+               cache_lens: torch.Tensor, depth: int, topk: int, num_draft_tokens: int,
+               static: bool = False) -> DraftTree:
     """root_pred [B, H]: the drafter's predicted hidden state at the root; root_pos [B] its position;
     cache_lens [B]: committed drafter-cache entries (speculative ones of this step are written after them).
     static: attention over the drafter cache's whole capacity, nothing read on the host (tlt.speculative.draft_graph).
