@@ -21,7 +21,7 @@ from collections import defaultdict
 import torch
 
 from tlt.engine.kv_cache import KVCache
-from tlt.engine.sampler import transform_logits
+from tlt.engine.sampler import HostRows, transform_logits
 from tlt.engine.sequence import Sequence
 from tlt.speculative.bandit import Arm, StrategyBandit
 from tlt.schema import ConfigError
@@ -32,6 +32,7 @@ from tlt.speculative.draft_graph import DraftShape, DraftStep, GraphedDrafter
 from tlt.speculative.tree_draft import draft_chain_sampled, draft_tree, draw_uniforms
 from tlt.speculative.verify import (chain_to_tree, emitted_logprobs, tree_layout, uniforms_from, verify_deterministic,
                              verify_stochastic)
+from tlt.speculative.verify_static import can_reserve, finish, reserve, walk_deterministic, walk_stochastic
 
 
 class SpecDecoder:
@@ -52,6 +53,8 @@ class SpecDecoder:
         pool = engine.graph_pool
         self.draft_graphs = GraphedDrafter(self.drafter, self.dcache, capture=engine.device.type == "cuda",
                                            pool=pool) if drafter is not None and pool is not None else None
+        # the acceptance walk on the device, read once at its end (tlt.speculative.verify_static): with the graphs
+        self.device_walk = pool is not None
         self.hist: dict[int, torch.Tensor] = {}   # seq_id -> [max_total_len, H] target hidden h_t per position
         self.dcached: dict[int, int] = {}         # seq_id -> committed drafter-cache entries (positions 1..n)
         self.low_steps = 0
@@ -243,11 +246,14 @@ class SpecDecoder:
         t1 = time.perf_counter()
         logits, hidden = self._verify_forward(seqs, tokens, mask, depths)
         p = self._target_probs(seqs, logits)
-        if q is not None:  # drafts drawn from q: Leviathan/Chen rejection sampling
+        if self._walks_on_device(gens, q):
+            result, lps = self._device_walk(arm, p, q, tokens, parents, valid, gens, logits, temp)
+        elif q is not None:  # drafts drawn from q: Leviathan/Chen rejection sampling
             result = self.stochastic_verify_fn(p, q, tokens, parents, valid, gens)
+            lps = emitted_logprobs(logits, temp, result)
         else:
             result = self.verify_fn(p, tokens, parents, valid, gens)
-        lps = emitted_logprobs(logits, temp, result)
+            lps = emitted_logprobs(logits, temp, result)
         self._commit(seqs, result.paths, hidden)
         kept = [hidden[i, path] for i, path in enumerate(result.paths)]
         done = eng.append_tokens(seqs, result.emitted_ids, lps, kept)
@@ -309,12 +315,31 @@ class SpecDecoder:
         hidden = self.engine.tree_forward(seqs, tokens, depths, mask)
         return self.model.logits(hidden), hidden
 
+    def _walks_on_device(self, gens, q) -> bool:
+        """The device walk stands in for the default rules only (tests inject others), with a generator a row."""
+        rule = self.verify_fn if q is None else self.stochastic_verify_fn
+        return self.device_walk and rule in (verify_deterministic, verify_stochastic) and can_reserve(gens)
+
+    def _device_walk(self, arm: Arm, p, q, tokens, parents, valid, gens, logits, temp):
+        """The acceptance walk over a fixed number of levels (no path is longer than the arm's depth + 1, an n-gram
+        chain's length), its uniforms drawn ahead; one read of the device at the end."""
+        N = tokens.shape[1]
+        steps = N if arm.method == "ngram" else min(N, arm.depth + 1)
+        width = arm.topk if arm.method == "eagle_tree" else 1  # a drafted node has at most topk children
+        reserved = reserve(gens, steps if q is None else steps * width + 1, p.device)
+        if q is None:
+            walk = walk_deterministic(p, tokens, parents, valid, reserved.u, steps, width)
+        else:
+            walk = walk_stochastic(p, q, tokens, parents, valid, reserved.u, steps, width)
+        return finish(walk, logits, temp, reserved)
+
     def _target_probs(self, seqs, logits: torch.Tensor) -> torch.Tensor:
         B, N, V = logits.shape
         dev = logits.device
         rep = lambda xs: torch.tensor(xs, device=dev).repeat_interleave(N)  # noqa: E731  per node
-        p = transform_logits(logits.view(B * N, V), rep([s.params.temperature for s in seqs]),
-                             rep([s.params.top_k for s in seqs]), rep([s.params.top_p for s in seqs]))
+        temp, top_k, top_p = ([getattr(s.params, k) for s in seqs] for k in ("temperature", "top_k", "top_p"))
+        p = transform_logits(logits.view(B * N, V), rep(temp), rep(top_k), rep(top_p),
+                             HostRows.of(temp, top_k, top_p, V))  # nothing read from the device
         return p.view(B, N, V)
 
     def _commit(self, seqs, paths, hidden) -> None:
