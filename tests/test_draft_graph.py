@@ -106,8 +106,9 @@ def test_a_wrong_padding_row_is_caught(model, trained, monkeypatch):
     so the comparison above can fail."""
     shape, drafter = SHAPES["tree"], _drafter(model, trained)
     roots, pred, n = _inputs(model, 3)
-    pad = GraphedDrafter._pad
-    monkeypatch.setattr(GraphedDrafter, "_pad", lambda self, g, B, s: pad(self, g, B - 1, s))
+    replay = GraphedDrafter._replay
+    monkeypatch.setattr(GraphedDrafter, "_replay", lambda self, shape, B, values, pad, run:
+                        replay(self, shape, B, values, lambda x, b: pad(x, b - 1), run))
     with torch.inference_mode():
         ref = _eager(drafter, _cache(model), shape, roots, pred, n, None, None)
         step = GraphedDrafter(drafter, _cache(model), capture=False).draft(shape, roots, pred, n, int(n.max()))
@@ -131,6 +132,34 @@ def test_cache_growth_recaptures_and_stays_equal(model, trained):
         step = graphs.draft(shape, roots, pred, deep, int(deep.max()))
     assert graphs.key != first and kv.capacity == 512
     _assert_same_drafts(ref, step)
+
+
+@pytest.mark.parametrize("T", [5, 40])
+def test_static_catch_up_equals_eager(model, trained, T):
+    """The drafter cache's catch-up over 3 rows of uneven lengths padded to T = 8 (a graphed length) or 40 (past
+    the largest: SpecDecoder runs it eagerly, still over the static mask): the predicted hidden states at each row's
+    last position equal the eager forward's to fp32 rounding."""
+    drafter, B = _drafter(model, trained), 3
+    g = torch.Generator().manual_seed(4)
+    lens, real = torch.tensor([10, 0, 33]), torch.tensor([T, 1, T - 2])
+    Tp = GraphedDrafter.catch_up_length(T) or T
+    hidden = torch.randn(B, Tp, model.cfg.hidden_size, generator=g)
+    ids = torch.randint(1, 128, (B, Tp), generator=g)
+    pos = lens[:, None] + 1 + torch.arange(Tp)
+    last = real - 1
+    with torch.inference_mode():
+        eager_kv, static_kv = _cache(model), _cache(model)
+        eager_kv.ensure_capacity(int(lens.max()) + Tp)
+        ref = drafter(hidden, ids, pos, eager_kv.view(lens))[torch.arange(B), last]
+        graphs = GraphedDrafter(drafter, static_kv, capture=False)
+        if Tp in (8,):
+            out = graphs.catch_up(hidden, ids, pos, lens, last, int(lens.max()))
+            assert [s for _, s in graphs.graphs] == [("catch_up", 8)]
+        else:
+            assert GraphedDrafter.catch_up_length(T) is None
+            static_kv.ensure_capacity(int(lens.max()) + Tp)
+            out = drafter(hidden, ids, pos, static_kv.view(lens, static=True))[torch.arange(B), last]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 # ---- through the engine --------------------------------------------------------------------------------------------
@@ -184,7 +213,8 @@ def test_engine_static_drafting_equals_eager(tiny_llama_dir, trained, kind):
         llm, spec = _llm(tiny_llama_dir, trained, ARMS[kind], static)
         runs.append((_roll(llm), spec))
     _same_rollouts(*runs)
-    assert len({b for b, _ in runs[1][1].draft_graphs.graphs}) >= 3
+    graphs = runs[1][1].draft_graphs.graphs
+    assert len({b for b, _ in graphs}) >= 3 and len({s for _, s in graphs if s[0] == "catch_up"}) >= 2
 
 
 def test_drafter_swap_mid_rollout_reaches_the_static_path(tiny_llama_dir, trained, model):
@@ -211,13 +241,22 @@ def test_drafter_captures_count_for_the_bandit(tiny_llama_dir, trained, monkeypa
         return None, run()
     monkeypatch.setattr(GraphPool, "capture", fake_capture)
     llm, spec = _llm(tiny_llama_dir, trained, CHAIN, static=True, pool=GraphPool())
-    updates = []
-    update = spec.bandit.update
-    monkeypatch.setattr(spec.bandit, "update", lambda *a: (updates.append(a), update(*a)))
+    events = []
+    update, step = spec.bandit.update, spec.step
+    monkeypatch.setattr(spec.bandit, "update", lambda *a: (events.append("update"), update(*a)))
+
+    def counted_step(seqs):
+        before = llm.engine.num_graph_captures
+        done = step(seqs)
+        events.append(("captured", llm.engine.num_graph_captures > before))
+        return done
+    monkeypatch.setattr(spec, "step", counted_step)
     _roll(llm)
-    captured = spec.draft_graphs.num_captured
-    assert captured >= 3 and llm.engine.num_graph_captures == captured
-    assert len(updates) == llm.engine.stats.num_spec_steps - captured
+    assert llm.engine.num_graph_captures == spec.draft_graphs.num_captured >= 3
+    steps = " ".join("u" if e == "update" else "C" if e[1] else "-" for e in events).split()
+    pairs = [(steps[i - 1] == "u" if i else False, c) for i, c in enumerate(steps) if c != "u"]
+    assert any(c == "C" for _, c in pairs) and any(c == "-" for _, c in pairs)
+    assert all(updated == (c == "-") for updated, c in pairs)  # updated exactly the steps that captured nothing
 
 
 # ---- CUDA: captured graphs against the eager engine ----------------------------------------------------------------

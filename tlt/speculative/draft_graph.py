@@ -53,22 +53,21 @@ class DraftStep:
 
 
 @dataclass
-class _DraftGraph:
-    roots: torch.Tensor         # [Bp] long  static inputs ...
-    root_pred: torch.Tensor     # [Bp, H]
-    lens: torch.Tensor          # [Bp] long  committed drafter-cache entries = the root's position
-    temperature: torch.Tensor   # [Bp] fp32  (sampled chains)
-    uniforms: torch.Tensor      # [Bp, depth] fp32 (sampled chains)
-    out: tuple | None = None    # (tokens, parents, q or None, mask, depths) over Bp rows
+class _Graph:
+    inputs: dict[str, torch.Tensor]  # static inputs over the bucket's Bp rows
+    out: tuple | None = None         # outputs over Bp rows
     graph: "torch.cuda.CUDAGraph | None" = None
-    padded_from: int = -1       # rows from here on hold the padding inputs (refilled when B changes)
+    padded_from: int = -1            # rows from here on hold the padding inputs (refilled when B changes)
+
+
+CATCH_UP_LENGTHS = (1, 2, 4, 8, 16, 32)  # catch-up lengths (padded up) that replay graphs; longer ones run eagerly
 
 
 class GraphedDrafter:
     def __init__(self, drafter: Drafter, dcache: KVCache, capture: bool = True, pool: GraphPool | None = None):
         self.drafter, self.dcache, self.capture = drafter, dcache, capture
         self.pool = pool or GraphPool()
-        self.graphs: dict[tuple[int, DraftShape], _DraftGraph] = {}
+        self.graphs: dict[tuple, _Graph] = {}
         self.key = None
         self.num_captured = 0
         dcache.round_to = max(dcache.round_to, ROUND)
@@ -80,6 +79,33 @@ class GraphedDrafter:
     def bucket(self, B: int) -> int:
         return min(next((b for b in BUCKETS if b >= B), B), self.dcache.num_slots)
 
+    @staticmethod
+    def catch_up_length(T: int) -> int | None:
+        """The padded length a catch-up of T positions a row runs at, None past the largest (eager)."""
+        return next((t for t in CATCH_UP_LENGTHS if t >= T), None)
+
+    # ---- the two graphed parts of a step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def catch_up(self, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
+                 last: torch.Tensor, max_len: int) -> torch.Tensor:
+        """The drafter cache's catch-up (SpecDecoder._drafter_catch_up) over rows padded to a CATCH_UP_LENGTHS
+        length T: hidden [B, T, H], ids, positions [B, T], lens [B] committed entries, last [B] each row's last
+        real column, max_len the largest lens (host) -> the predicted hidden state there [B, H]."""
+        B, T = ids.shape
+        self._prepare(max_len + T)
+
+        def pad(x: dict, B: int) -> None:  # padding rows: the last T positions of free slots
+            x["hidden"][B:], x["ids"][B:], x["last"][B:] = 0, 0, 0
+            x["lens"][B:] = self.dcache.capacity - T
+            x["positions"][B:] = x["lens"][B:, None] + torch.arange(T, device=ids.device)
+
+        def run(x: dict) -> tuple:
+            out = self.drafter(x["hidden"], x["ids"], x["positions"], self.dcache.view(x["lens"], static=True))
+            return (out[torch.arange(out.shape[0], device=out.device), x["last"]],)
+
+        values = dict(hidden=hidden, ids=ids, positions=positions, lens=lens, last=last)
+        return self._replay(("catch_up", T), B, values, pad, run)[0]
+
     @torch.inference_mode()
     def draft(self, shape: DraftShape, roots: torch.Tensor, root_pred: torch.Tensor, n: torch.Tensor,
               max_n: int, temperature: torch.Tensor | None = None,
@@ -87,55 +113,61 @@ class GraphedDrafter:
         """roots, n [B] (the last token and its position = committed drafter entries), root_pred [B, H], max_n the
         largest n (from the host); sampled chains: temperature [B], uniforms [B, depth] -> the step's drafts."""
         B = roots.shape[0]
+        # room for the speculative entries of the deepest row
+        self._prepare(max_n + shape.writes() + 1)
+        values = dict(roots=roots, root_pred=root_pred, lens=n)
+        if shape.sampled:
+            values.update(temperature=temperature, uniforms=uniforms)
+
+        def pad(x: dict, B: int) -> None:  # padding rows: committed entries up to the capacity less the writes
+            x["roots"][B:], x["root_pred"][B:] = 0, 0
+            x["lens"][B:] = self.dcache.capacity - shape.writes()
+            if shape.sampled:
+                x["temperature"][B:], x["uniforms"][B:] = 1.0, 0.5
+
+        def run(x: dict) -> tuple:
+            if shape.sampled:
+                tree = draft_chain_sampled(self.drafter, self.dcache, x["roots"], x["root_pred"], x["lens"],
+                                           x["lens"], shape.depth, x["temperature"], x["uniforms"], static=True)
+            else:
+                tree = draft_tree(self.drafter, self.dcache, x["roots"], x["root_pred"], x["lens"], x["lens"],
+                                  shape.depth, shape.topk, shape.num_draft_tokens, static=True)
+            return (tree.tokens, tree.parents, tree.q, *tree_layout(tree.parents))
+
+        tokens, parents, q, mask, depths = self._replay(("draft", shape), B, values, pad, run)
+        return DraftStep(DraftTree(tokens, parents, q), mask, depths)
+
+    # ---- the machinery ---------------------------------------------------------------------------------------------
+    def _prepare(self, length: int) -> None:
+        """Every slot allocated (padding rows write into free ones) with at least `length` positions; the graphs
+        dropped when the cache or the draft head moved (graphs read them by address)."""
         cache = self.dcache
-        # every slot (padding rows write into free ones); room for the speculative entries of the deepest row
-        cache.ensure_capacity(max(cache.capacity, max_n + shape.writes() + 1), cache.num_slots)
-        head = self.drafter.draft_head()  # computed outside any capture: a graph reads it by address
+        cache.ensure_capacity(max(cache.capacity, length), cache.num_slots)
+        head = self.drafter.draft_head()  # computed here, outside any capture
         d2t = self.drafter.d2t
         key = (cache.k[0].data_ptr(), cache.capacity, head.data_ptr(), None if d2t is None else d2t.data_ptr())
         if key != self.key:
             self.graphs.clear()
             self.key = key
-        g = self.graphs.get((self.bucket(B), shape))
+
+    def _replay(self, shape: tuple, B: int, values: dict, pad, run) -> tuple:
+        """Copy the B rows' inputs into the bucket's static tensors, pad the rest, run (replay, or capture first, or
+        eagerly when not capturing) -> the outputs' first B rows (copies)."""
+        Bp = self.bucket(B)
+        g = self.graphs.get((Bp, shape))
         new = g is None
         if new:
-            g = self.graphs[(self.bucket(B), shape)] = self._buffers(self.bucket(B), shape, root_pred)
-        g.roots[:B], g.root_pred[:B], g.lens[:B] = roots, root_pred, n
-        if shape.sampled:
-            g.temperature[:B], g.uniforms[:B] = temperature, uniforms
+            g = self.graphs[(Bp, shape)] = _Graph({k: v.new_zeros(Bp, *v.shape[1:]) for k, v in values.items()})
+        for k, v in values.items():
+            g.inputs[k][:B] = v
         if g.padded_from != B:
-            self._pad(g, B, shape)
+            pad(g.inputs, B)
+            g.padded_from = B
         if new and self.capture:
-            g.graph, g.out = self.pool.capture(lambda: self._run(g, shape))
+            g.graph, g.out = self.pool.capture(lambda: run(g.inputs))
             self.num_captured += 1
         if g.graph is not None:
             g.graph.replay()
         else:
-            g.out = self._run(g, shape)
-        tokens, parents, q, mask, depths = (None if t is None else t[:B].clone() for t in g.out)
-        return DraftStep(DraftTree(tokens, parents, q), mask, depths)
-
-    def _pad(self, g: _DraftGraph, B: int, shape: DraftShape) -> None:
-        """Padding rows: committed entries up to the capacity less the step's speculative writes (free slots)."""
-        g.roots[B:] = 0
-        g.root_pred[B:] = 0
-        g.lens[B:] = self.dcache.capacity - shape.writes()
-        g.temperature[B:] = 1.0
-        g.uniforms[B:] = 0.5
-        g.padded_from = B
-
-    def _buffers(self, Bp: int, shape: DraftShape, like: torch.Tensor) -> _DraftGraph:
-        dev = self.dcache.device
-        long = dict(dtype=torch.long, device=dev)
-        return _DraftGraph(torch.zeros(Bp, **long), like.new_zeros(Bp, like.shape[-1]), torch.zeros(Bp, **long),
-                           torch.ones(Bp, device=dev), torch.full((Bp, shape.depth), 0.5, device=dev))
-
-    def _run(self, g: _DraftGraph, shape: DraftShape) -> tuple:
-        if shape.sampled:
-            tree = draft_chain_sampled(self.drafter, self.dcache, g.roots, g.root_pred, g.lens, g.lens, shape.depth,
-                                       g.temperature, g.uniforms, static=True)
-        else:
-            tree = draft_tree(self.drafter, self.dcache, g.roots, g.root_pred, g.lens, g.lens, shape.depth,
-                              shape.topk, shape.num_draft_tokens, static=True)
-        mask, depths = tree_layout(tree.parents)
-        return tree.tokens, tree.parents, tree.q, mask, depths
+            g.out = run(g.inputs)
+        return tuple(None if t is None else t[:B].clone() for t in g.out)

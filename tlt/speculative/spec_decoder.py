@@ -269,6 +269,8 @@ class SpecDecoder:
         starts = [self.dcached[s.seq_id] + 1 for s in seqs]     # first missing position per row
         ends = [s.num_cached for s in seqs]                      # last token's position n
         T = max(e - st + 1 for st, e in zip(starts, ends))
+        graphed = self.draft_graphs.catch_up_length(T) if self.draft_graphs is not None else None
+        T = graphed or T  # a graphed catch-up runs at one of a few padded lengths
         H = self.model.cfg.hidden_size
         hid = torch.zeros(len(seqs), T, H, dtype=self.engine.dtype, device=dev)
         for i, (s, st, e) in enumerate(zip(seqs, starts, ends)):
@@ -279,14 +281,16 @@ class SpecDecoder:
                            device=dev)
         pos = torch.tensor([list(range(st, e + 1)) + [0] * k for st, e, k in zip(starts, ends, pad)], device=dev)
         cached = [st - 1 for st in starts]
-        # rows are padded to T, so a row deep into SD writes its padding up to (its cached entries) + T
-        self.dcache.ensure_capacity(max(cached) + T)
         lens = torch.tensor(cached, device=dev)
-        with torch.inference_mode():
-            out = self.drafter(hid, ids, pos, self.dcache.view(lens))
+        last = torch.tensor([e - st for st, e in zip(starts, ends)], device=dev)
         for s, e in zip(seqs, ends):
             self.dcached[s.seq_id] = e
-        last = torch.tensor([e - st for st, e in zip(starts, ends)], device=dev)
+        if graphed:
+            return self.draft_graphs.catch_up(hid, ids, pos, lens, last, max(cached))
+        # rows are padded to T, so a row deep into SD writes its padding up to (its cached entries) + T
+        self.dcache.ensure_capacity(max(cached) + T)
+        with torch.inference_mode():  # static with the graphs: nothing read from the device
+            out = self.drafter(hid, ids, pos, self.dcache.view(lens, static=self.draft_graphs is not None))
         return out[torch.arange(len(seqs), device=dev), last]
 
     def _draft(self, seqs, arm: Arm, roots, root_pred, n, temp, gens) -> DraftStep:
