@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tlt.device import host_tensor
 from tlt.engine.cuda_graph import GraphPool
 from tlt.engine.kv_cache import KVCache
 from tlt.engine.model_runner import ModelRunner
@@ -159,7 +160,7 @@ class LLMEngine:
         hidden [B, T, H]. Their K/V land at num_cached + node index; commit_kv moves the accepted ones."""
         lens = [s.num_cached for s in seqs]
         self.kv.ensure_capacity(max(lens) + tokens.shape[1] + 1)
-        n = torch.tensor(lens, device=tokens.device)
+        n = host_tensor(lens, tokens.device)
         return self.runner.cached_forward(tokens, n[:, None] + depths, n, mask)
 
     def commit_kv(self, seqs: list[Sequence], paths: list[list[int]]) -> None:

@@ -20,6 +20,7 @@ from collections import defaultdict
 
 import torch
 
+from tlt.device import host_tensor
 from tlt.engine.kv_cache import KVCache
 from tlt.engine.sampler import HostRows, transform_logits
 from tlt.engine.sequence import Sequence
@@ -224,15 +225,15 @@ class SpecDecoder:
     def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str) -> tuple[list[Sequence], int]:
         eng, dev = self.engine, self.engine.device
         t0 = time.perf_counter()
-        n = torch.tensor([s.num_cached for s in seqs], device=dev)   # position of each row's last token
-        roots = torch.tensor([s.last_token for s in seqs], device=dev)
-        temp = torch.tensor([s.params.temperature for s in seqs], device=dev)
+        # host-to-device copies that wait for nothing (host_tensor) throughout the step
+        n, roots = host_tensor([[s.num_cached for s in seqs], [s.last_token for s in seqs]], dev)  # n: last token's pos
+        temp = host_tensor([s.params.temperature for s in seqs], dev)
         gens = [s.generator for s in seqs]
         if arm.method == "ngram":
             props = [self.ngram.propose(s.seq_id, arm.num_draft_tokens) for s in seqs]
             k = max(1, max(map(len, props)))
-            draft = torch.tensor([p + [0] * (k - len(p)) for p in props], device=dev)
-            tokens, parents, valid = chain_to_tree(roots, draft, torch.tensor([len(p) for p in props], device=dev))
+            draft = host_tensor([p + [0] * (k - len(p)) for p in props], dev)
+            tokens, parents, valid = chain_to_tree(roots, draft, host_tensor([len(p) for p in props], dev))
             q = None
             mask, depths = tree_layout(parents, valid)
         else:
@@ -254,8 +255,8 @@ class SpecDecoder:
         else:
             result = self.verify_fn(p, tokens, parents, valid, gens)
             lps = emitted_logprobs(logits, temp, result)
-        self._commit(seqs, result.paths, hidden)
-        kept = [hidden[i, path] for i, path in enumerate(result.paths)]
+        kept = self._kept_states(hidden, result.paths)
+        self._commit(seqs, result.paths, kept)
         done = eng.append_tokens(seqs, result.emitted_ids, lps, kept)
         self._record(bucket, result, seqs, arm)
         self.st["draft_time_s"] += t1 - t0
@@ -277,12 +278,10 @@ class SpecDecoder:
             hid[i, :e - st + 1] = self.hist[s.seq_id][st - 1:e]
         # token ids and positions built on the host, one copy each (padding: id 0 at position 0)
         pad = [T - (e - st + 1) for st, e in zip(starts, ends)]
-        ids = torch.tensor([s.all_ids()[st:e + 1] + [0] * k for s, st, e, k in zip(seqs, starts, ends, pad)],
-                           device=dev)
-        pos = torch.tensor([list(range(st, e + 1)) + [0] * k for st, e, k in zip(starts, ends, pad)], device=dev)
+        ids, pos = host_tensor([[s.all_ids()[st:e + 1] + [0] * k for s, st, e, k in zip(seqs, starts, ends, pad)],
+                                [list(range(st, e + 1)) + [0] * k for st, e, k in zip(starts, ends, pad)]], dev)
         cached = [st - 1 for st in starts]
-        lens = torch.tensor(cached, device=dev)
-        last = torch.tensor([e - st for st, e in zip(starts, ends)], device=dev)
+        lens, last = host_tensor([cached, [e - st for st, e in zip(starts, ends)]], dev)
         for s, e in zip(seqs, ends):
             self.dcached[s.seq_id] = e
         if graphed:
@@ -300,7 +299,8 @@ class SpecDecoder:
         sampled = self.cfg.acceptance == "rejection" and arm.method == "eagle_chain"
         # the sampled chain's draws, level by level before drafting: the rows' generators advance as they did when
         # each level drew its own
-        uniforms = draw_uniforms(uniforms_from(gens), len(seqs), arm.depth).to(n.device) if sampled else None
+        uniforms = host_tensor(draw_uniforms(uniforms_from(gens), len(seqs), arm.depth), n.device) \
+            if sampled else None
         if self.draft_graphs is not None:
             shape = DraftShape(arm.depth, arm.topk, arm.num_draft_tokens, sampled)
             return self.draft_graphs.draft(shape, roots, root_pred, n, max_n, temp, uniforms)
@@ -340,17 +340,24 @@ class SpecDecoder:
     def _target_probs(self, seqs, logits: torch.Tensor) -> torch.Tensor:
         B, N, V = logits.shape
         dev = logits.device
-        rep = lambda xs: torch.tensor(xs, device=dev).repeat_interleave(N)  # noqa: E731  per node
+        rep = lambda xs: host_tensor(xs, dev).repeat_interleave(N)  # noqa: E731  per node
         temp, top_k, top_p = ([getattr(s.params, k) for s in seqs] for k in ("temperature", "top_k", "top_p"))
         p = transform_logits(logits.view(B * N, V), rep(temp), rep(top_k), rep(top_p),
                              HostRows.of(temp, top_k, top_p, V))  # nothing read from the device
         return p.view(B, N, V)
 
-    def _commit(self, seqs, paths, hidden) -> None:
+    @staticmethod
+    def _kept_states(hidden: torch.Tensor, paths: list[list[int]]) -> list[torch.Tensor]:
+        """hidden [B, N, H] -> per row its path's states [len(path), H], gathered at once (one index copy)."""
+        idx = host_tensor([[i for i, path in enumerate(paths) for _ in path], [n for path in paths for n in path]],
+                          hidden.device)
+        return list(hidden[idx[0], idx[1]].split([len(path) for path in paths]))
+
+    def _commit(self, seqs, paths, kept) -> None:
         """Keep the accepted nodes' hidden states (drafter data), then move their K/V into place."""
         if self.drafter is not None:
-            for i, (s, path) in enumerate(zip(seqs, paths)):
-                self.hist[s.seq_id][s.num_cached:s.num_cached + len(path)] = hidden[i, path]
+            for s, states in zip(seqs, kept):
+                self.hist[s.seq_id][s.num_cached:s.num_cached + len(states)] = states
         self.engine.commit_kv(seqs, paths)
 
     def _record(self, bucket, result, seqs, arm: Arm) -> None:

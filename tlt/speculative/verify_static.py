@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from tlt.device import host_tensor
 from tlt.engine.sampler import sample_from, target_logprobs
 from tlt.speculative.verify import VerifyResult
 
@@ -51,7 +52,7 @@ def reserve(generators: Sequence[torch.Generator], count: int, device) -> Reserv
     generator in the same state: tests/test_verify_static.py checks it)."""
     states = [g.get_state() for g in generators]
     u = torch.stack([torch.rand(count, generator=g) for g in generators]) if generators else torch.zeros(0, count)
-    return Reserved(u.to(device), list(generators), states)
+    return Reserved(host_tensor(u.tolist(), device), list(generators), states)
 
 
 def children_table_static(parents: torch.Tensor, valid: torch.Tensor, max_children: int) -> torch.Tensor:
