@@ -6,7 +6,7 @@ import torch
 
 import tlt
 from tests.spec_util import quick_drafter
-from tlt.engine.cuda_graph import GraphPool
+from tlt.engine.cuda_graph import GraphPool, GraphSet
 from tlt.engine.kv_cache import KVCache
 from tlt.speculative.config import SpecConfig
 from tlt.speculative.draft_graph import DraftShape, GraphedDrafter
@@ -106,8 +106,8 @@ def test_a_wrong_padding_row_is_caught(model, trained, monkeypatch):
     so the comparison above can fail."""
     shape, drafter = SHAPES["tree"], _drafter(model, trained)
     roots, pred, n = _inputs(model, 3)
-    replay = GraphedDrafter._replay
-    monkeypatch.setattr(GraphedDrafter, "_replay", lambda self, shape, B, values, pad, run:
+    replay = GraphSet.replay
+    monkeypatch.setattr(GraphSet, "replay", lambda self, shape, B, values, pad, run:
                         replay(self, shape, B, values, lambda x, b: pad(x, b - 1), run))
     with torch.inference_mode():
         ref = _eager(drafter, _cache(model), shape, roots, pred, n, None, None)

@@ -137,3 +137,51 @@ class GraphedForward:
     def _capture(self, g: _Graph) -> None:
         g.graph, g.out = self.pool.capture(lambda: self._run(g))
         self.num_captured += 1
+
+
+@dataclass
+class StaticGraph:
+    inputs: dict[str, torch.Tensor]  # static inputs over the bucket's Bp rows, by name
+    out: tuple | None = None         # outputs over Bp rows
+    graph: "torch.cuda.CUDAGraph | None" = None
+    padded_from: int = -1            # rows from here on hold the padding inputs (refilled when B changes)
+
+
+class GraphSet:
+    """Graphs of one computation keyed by (batch bucket, shape), GraphedForward's conventions for any function of
+    static tensors: a batch of B rows runs in the smallest bucket >= B, its inputs copied into the bucket's static
+    tensors and rows B.. filled by the caller's `pad`; captured on first use (or run eagerly when not capturing,
+    on any device: the same padded static code)."""
+
+    def __init__(self, num_slots: int, capture: bool = True, pool: GraphPool | None = None):
+        self.num_slots, self.capture = num_slots, capture
+        self.pool = pool or GraphPool()
+        self.graphs: dict[tuple, StaticGraph] = {}
+        self.num_captured = 0
+
+    def bucket(self, B: int) -> int:
+        return min(next((b for b in BUCKETS if b >= B), B), self.num_slots)
+
+    def replay(self, shape: tuple, B: int, values: dict[str, torch.Tensor],
+               pad: Callable[[dict[str, torch.Tensor], int], None],
+               run: Callable[[dict[str, torch.Tensor]], tuple]) -> tuple:
+        """values: each input's B rows; pad(inputs, B) fills rows B..; run(inputs) -> output tensors (or None) over
+        the bucket's rows -> the outputs' first B rows (copies)."""
+        Bp = self.bucket(B)
+        g = self.graphs.get((Bp, shape))
+        new = g is None
+        if new:
+            g = self.graphs[(Bp, shape)] = StaticGraph({k: v.new_zeros(Bp, *v.shape[1:]) for k, v in values.items()})
+        for k, v in values.items():
+            g.inputs[k][:B] = v
+        if g.padded_from != B:
+            pad(g.inputs, B)
+            g.padded_from = B
+        if new and self.capture:
+            g.graph, g.out = self.pool.capture(lambda: run(g.inputs))
+            self.num_captured += 1
+        if g.graph is not None:
+            g.graph.replay()
+        else:
+            g.out = run(g.inputs)
+        return tuple(None if t is None else t[:B].clone() for t in g.out)

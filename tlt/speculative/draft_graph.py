@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt.engine.cuda_graph import BUCKETS, ROUND, GraphPool
+from tlt.engine.cuda_graph import ROUND, GraphPool, GraphSet
 from tlt.engine.kv_cache import KVCache
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.tree_draft import DraftTree, draft_chain_sampled, draft_tree
@@ -52,32 +52,30 @@ class DraftStep:
     depths: torch.Tensor
 
 
-@dataclass
-class _Graph:
-    inputs: dict[str, torch.Tensor]  # static inputs over the bucket's Bp rows
-    out: tuple | None = None         # outputs over Bp rows
-    graph: "torch.cuda.CUDAGraph | None" = None
-    padded_from: int = -1            # rows from here on hold the padding inputs (refilled when B changes)
-
-
 CATCH_UP_LENGTHS = (1, 2, 4, 8, 16, 32)  # catch-up lengths (padded up) that replay graphs; longer ones run eagerly
 
 
 class GraphedDrafter:
     def __init__(self, drafter: Drafter, dcache: KVCache, capture: bool = True, pool: GraphPool | None = None):
-        self.drafter, self.dcache, self.capture = drafter, dcache, capture
-        self.pool = pool or GraphPool()
-        self.graphs: dict[tuple, _Graph] = {}
-        self.key = None
-        self.num_captured = 0
+        self.drafter, self.dcache = drafter, dcache
+        self.set = GraphSet(dcache.num_slots, capture, pool)
+        self.key = None  # what the graphs read by address: the cache's tensors and capacity, the draft head
         dcache.round_to = max(dcache.round_to, ROUND)
+
+    @property
+    def graphs(self) -> dict:
+        return self.set.graphs
+
+    @property
+    def num_captured(self) -> int:
+        return self.set.num_captured
 
     def release(self) -> None:
         """Drop the graphs (they point into a drafter cache that is being freed)."""
-        self.graphs, self.key = {}, None
+        self.set.graphs, self.key = {}, None
 
     def bucket(self, B: int) -> int:
-        return min(next((b for b in BUCKETS if b >= B), B), self.dcache.num_slots)
+        return self.set.bucket(B)
 
     @staticmethod
     def catch_up_length(T: int) -> int | None:
@@ -104,7 +102,7 @@ class GraphedDrafter:
             return (out[torch.arange(out.shape[0], device=out.device), x["last"]],)
 
         values = dict(hidden=hidden, ids=ids, positions=positions, lens=lens, last=last)
-        return self._replay(("catch_up", T), B, values, pad, run)[0]
+        return self.set.replay(("catch_up", T), B, values, pad, run)[0]
 
     @torch.inference_mode()
     def draft(self, shape: DraftShape, roots: torch.Tensor, root_pred: torch.Tensor, n: torch.Tensor,
@@ -134,7 +132,7 @@ class GraphedDrafter:
                                   shape.depth, shape.topk, shape.num_draft_tokens, static=True)
             return (tree.tokens, tree.parents, tree.q, *tree_layout(tree.parents))
 
-        tokens, parents, q, mask, depths = self._replay(("draft", shape), B, values, pad, run)
+        tokens, parents, q, mask, depths = self.set.replay(("draft", shape), B, values, pad, run)
         return DraftStep(DraftTree(tokens, parents, q), mask, depths)
 
     # ---- the machinery ---------------------------------------------------------------------------------------------
@@ -147,27 +145,5 @@ class GraphedDrafter:
         d2t = self.drafter.d2t
         key = (cache.k[0].data_ptr(), cache.capacity, head.data_ptr(), None if d2t is None else d2t.data_ptr())
         if key != self.key:
-            self.graphs.clear()
+            self.set.graphs.clear()
             self.key = key
-
-    def _replay(self, shape: tuple, B: int, values: dict, pad, run) -> tuple:
-        """Copy the B rows' inputs into the bucket's static tensors, pad the rest, run (replay, or capture first, or
-        eagerly when not capturing) -> the outputs' first B rows (copies)."""
-        Bp = self.bucket(B)
-        g = self.graphs.get((Bp, shape))
-        new = g is None
-        if new:
-            g = self.graphs[(Bp, shape)] = _Graph({k: v.new_zeros(Bp, *v.shape[1:]) for k, v in values.items()})
-        for k, v in values.items():
-            g.inputs[k][:B] = v
-        if g.padded_from != B:
-            pad(g.inputs, B)
-            g.padded_from = B
-        if new and self.capture:
-            g.graph, g.out = self.pool.capture(lambda: run(g.inputs))
-            self.num_captured += 1
-        if g.graph is not None:
-            g.graph.replay()
-        else:
-            g.out = run(g.inputs)
-        return tuple(None if t is None else t[:B].clone() for t in g.out)
