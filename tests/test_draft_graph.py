@@ -13,6 +13,7 @@ from tlt.speculative.draft_graph import DraftShape, GraphedDrafter
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.spec_decoder import SpecDecoder
 from tlt.speculative.tree_draft import draft_chain_sampled, draft_tree
+from tlt.speculative.verify_static import GraphedAcceptance
 from tlt.speculative.verify import tree_layout
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: captured drafter graphs")
@@ -170,12 +171,13 @@ def _requests(n=5, seed=0):
 
 
 def _llm(path, model_state, arm, static, pool=None):
-    """An engine with SD on (fixed arm), its drafts recorded; static: the drafter's static path (uncaptured)."""
+    """An engine with SD on (fixed arm), its drafts recorded; static: the step's static path (uncaptured)."""
     llm = tlt.LLM(path, dtype="float32", device="cpu", max_num_seqs=16, enforce_eager=True)
     spec = SpecDecoder(llm.engine, SpecConfig(method="eagle", bs_threshold=None, adaptive=False, **arm),
                        _drafter(llm.engine.model, model_state))
-    if static:
+    if static:  # the whole step's static code: drafting, and logits, probabilities and walk
         spec.draft_graphs = GraphedDrafter(spec.drafter, spec.dcache, capture=pool is not None, pool=pool)
+        spec.accept_graphs = GraphedAcceptance(spec.model, llm.engine.num_slots, capture=pool is not None, pool=pool)
     spec.drafts = []
     draft = spec._draft
     spec._draft = lambda *a: (spec.drafts.append(d := draft(*a)), d)[1]
@@ -207,7 +209,8 @@ def _same_rollouts(a, b):
 @pytest.mark.parametrize("kind", list(ARMS))
 def test_engine_static_drafting_equals_eager(tiny_llama_dir, trained, kind):
     """Seeded sampling at temperature 1, five requests of different lengths (the batch shrinks 5 -> 1 through
-    buckets 8, 4, 2, 1): every step's drafts, and the tokens and log-probs, equal the eager drafter's."""
+    buckets 8, 4, 2, 1): every step's drafts, and the tokens and log-probs, equal the eager step's (drafter, host
+    walk)."""
     runs = []
     for static in (False, True):
         llm, spec = _llm(tiny_llama_dir, trained, ARMS[kind], static)
@@ -252,7 +255,8 @@ def test_drafter_captures_count_for_the_bandit(tiny_llama_dir, trained, monkeypa
         return done
     monkeypatch.setattr(spec, "step", counted_step)
     _roll(llm)
-    assert llm.engine.num_graph_captures == spec.draft_graphs.num_captured >= 3
+    assert llm.engine.num_graph_captures == spec.draft_graphs.num_captured + spec.accept_graphs.num_captured
+    assert spec.draft_graphs.num_captured >= 3 and spec.accept_graphs.num_captured >= 3
     steps = " ".join("u" if e == "update" else "C" if e[1] else "-" for e in events).split()
     pairs = [(steps[i - 1] == "u" if i else False, c) for i, c in enumerate(steps) if c != "u"]
     assert any(c == "C" for _, c in pairs) and any(c == "-" for _, c in pairs)
@@ -269,11 +273,11 @@ def test_cuda_captured_drafting_equals_eager(tiny_llama_dir, trained, kind):
         llm = tlt.LLM(tiny_llama_dir, dtype="float32", device="cuda", max_num_seqs=16, enforce_eager=eager)
         spec = SpecDecoder(llm.engine, SpecConfig(method="eagle", bs_threshold=None, adaptive=False, **ARMS[kind]),
                            _drafter(llm.engine.model, trained))
-        assert (spec.draft_graphs is None) == eager
+        assert (spec.draft_graphs is None) == (spec.accept_graphs is None) == eager
         spec.drafts, draft = [], spec._draft
         spec._draft = lambda *a, spec=spec, draft=draft: (spec.drafts.append(d := draft(*a)), d)[1]
         runs.append((_roll(llm, swap_at=6, new_state=_drafter(llm.engine.model, seed=5).trainable_state_dict()),
                      spec))
     _same_rollouts(*runs)
-    graphs = runs[1][1].draft_graphs
-    assert graphs.num_captured >= 3 and all(g.graph is not None for g in graphs.graphs.values())
+    for graphs in (runs[1][1].draft_graphs, runs[1][1].accept_graphs):
+        assert graphs.num_captured >= 3 and all(g.graph is not None for g in graphs.set.graphs.values())

@@ -9,7 +9,8 @@ from tlt.engine.sampler import HostRows, transform_logits
 from tlt.speculative.config import SpecConfig
 from tlt.speculative.spec_decoder import SpecDecoder
 from tlt.speculative.verify import emitted_logprobs, node_depths, verify_deterministic, verify_stochastic
-from tlt.speculative.verify_static import can_reserve, finish, reserve, walk_deterministic, walk_stochastic
+from tlt.speculative.verify_static import (GraphedAcceptance, can_reserve, finish, reserve, walk_deterministic,
+                                          walk_stochastic)
 
 V = 7  # a small vocabulary: drafts hit the target's draws often, so walks run deep
 
@@ -157,7 +158,9 @@ def test_engine_device_walk_equals_host_walk(tiny_llama_dir, drafter_state, kind
             drafter = Drafter(llm.engine.model.cfg)
             drafter.load_state_dict(drafter_state, strict=False)
         spec = SpecDecoder(llm.engine, SpecConfig(bs_threshold=None, adaptive=False, **ARMS[kind]), drafter)
-        spec.device_walk, walks, walk = device_walk, [], spec._device_walk
+        if device_walk:
+            spec.accept_graphs = GraphedAcceptance(spec.model, llm.engine.num_slots, capture=False)
+        walks, walk = [], spec._device_walk
         spec._device_walk = lambda *a: (walks.append(1), walk(*a))[1]
         outs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)])
         assert spec.st["verify_steps"] > 10 and len(walks) == (spec.st["spec_on_steps"] if device_walk else 0)

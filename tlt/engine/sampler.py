@@ -93,13 +93,15 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor, static: bool = False) -> t
     return ids
 
 
-def target_logprobs(logits: torch.Tensor, temperature: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def target_logprobs(logits: torch.Tensor, temperature: torch.Tensor, ids: torch.Tensor,
+                    static: bool = False) -> torch.Tensor:
     """Log-prob of `ids` under softmax(logits / T) (raw softmax at T = 0), before top-k/top-p: the quantity an RL
     trainer recomputes as the old policy's log-prob (verl divides logits by the rollout temperature likewise).
-    On CPU in fp32: tlt's kernel (no [N, V] log_softmax output), else torch."""
+    On CPU in fp32: tlt's kernel (no [N, V] log_softmax output), else torch. static: divide every row without
+    reading the device first (x / 1 is x, so the same values)."""
     fast = token_logprobs(logits, temperature, ids)
     if fast is not None:
         return fast
-    if bool(((temperature > 0) & (temperature != 1)).any()):
+    if static or bool(((temperature > 0) & (temperature != 1)).any()):
         logits = logits / torch.where(temperature <= 0, 1.0, temperature)[:, None]
     return logits.log_softmax(-1).gather(1, ids[:, None])[:, 0]

@@ -33,7 +33,7 @@ from tlt.speculative.draft_graph import DraftShape, DraftStep, GraphedDrafter
 from tlt.speculative.tree_draft import draft_chain_sampled, draft_tree, draw_uniforms
 from tlt.speculative.verify import (chain_to_tree, emitted_logprobs, tree_layout, uniforms_from, verify_deterministic,
                              verify_stochastic)
-from tlt.speculative.verify_static import can_reserve, finish, reserve, walk_deterministic, walk_stochastic
+from tlt.speculative.verify_static import GraphedAcceptance, WalkShape, can_reserve, read, reserve
 
 
 class SpecDecoder:
@@ -54,8 +54,9 @@ class SpecDecoder:
         pool = engine.graph_pool
         self.draft_graphs = GraphedDrafter(self.drafter, self.dcache, capture=engine.device.type == "cuda",
                                            pool=pool) if drafter is not None and pool is not None else None
-        # the acceptance walk on the device, read once at its end (tlt.speculative.verify_static): with the graphs
-        self.device_walk = pool is not None
+        # logits, probabilities and the acceptance walk in graphs too, read once a step (tlt.speculative.verify_static)
+        self.accept_graphs = GraphedAcceptance(self.model, engine.num_slots, capture=engine.device.type == "cuda",
+                                               pool=pool) if pool is not None else None
         self.hist: dict[int, torch.Tensor] = {}   # seq_id -> [max_total_len, H] target hidden h_t per position
         self.dcached: dict[int, int] = {}         # seq_id -> committed drafter-cache entries (positions 1..n)
         self.low_steps = 0
@@ -114,13 +115,14 @@ class SpecDecoder:
 
     @property
     def num_graph_captures(self) -> int:
-        """The drafter's CUDA graphs captured so far (the engine adds them to its own count)."""
-        return 0 if self.draft_graphs is None else self.draft_graphs.num_captured
+        """The drafter's and the acceptance walk's CUDA graphs captured so far (the engine adds them to its own)."""
+        return sum(g.num_captured for g in (self.draft_graphs, self.accept_graphs) if g is not None)
 
     def release_graphs(self) -> None:
-        """Drop the drafter's graphs (the engine's sleep frees the drafter cache they point into)."""
-        if self.draft_graphs is not None:
-            self.draft_graphs.release()
+        """Drop the speculator's graphs (the engine's sleep frees the drafter cache they point into, and the pool)."""
+        for g in (self.draft_graphs, self.accept_graphs):
+            if g is not None:
+                g.release()
 
     # ---- engine hooks ---------------------------------------------------------------------------------------
     def on_add(self, seq: Sequence) -> None:
@@ -142,8 +144,8 @@ class SpecDecoder:
         # keep h_t so that turning SD on costs only a drafter extend; not in a closed bucket (docs/design.md §6)
         if self.drafter is not None and self.capturing(len(seqs)):
             t0 = time.perf_counter()
-            for i, s in enumerate(seqs):
-                self.hist[s.seq_id][s.num_cached - 1] = hidden[i]
+            # one multi-tensor copy, not a launch a row
+            torch._foreach_copy_([self.hist[s.seq_id][s.num_cached - 1] for s in seqs], list(hidden.unbind(0)))
             dt = time.perf_counter() - t0
             self.st["hist_time_s"] += dt
             self.charge_capture(len(seqs), dt)
@@ -245,15 +247,16 @@ class SpecDecoder:
             mask, depths = drafted.mask, drafted.depths  # a drafted tree has every node valid
             valid = torch.ones_like(tokens, dtype=torch.bool)
         t1 = time.perf_counter()
-        logits, hidden = self._verify_forward(seqs, tokens, mask, depths)
-        p = self._target_probs(seqs, logits)
+        hidden = self._verify_forward(seqs, tokens, mask, depths)
         if self._walks_on_device(gens, q):
-            result, lps = self._device_walk(arm, p, q, tokens, parents, valid, gens, logits, temp)
-        elif q is not None:  # drafts drawn from q: Leviathan/Chen rejection sampling
-            result = self.stochastic_verify_fn(p, q, tokens, parents, valid, gens)
-            lps = emitted_logprobs(logits, temp, result)
+            result, lps = self._device_walk(seqs, arm, hidden, q, tokens, parents, valid, gens)
         else:
-            result = self.verify_fn(p, tokens, parents, valid, gens)
+            logits = self.model.logits(hidden)
+            p = self._target_probs(seqs, logits)
+            if q is not None:  # drafts drawn from q: Leviathan/Chen rejection sampling
+                result = self.stochastic_verify_fn(p, q, tokens, parents, valid, gens)
+            else:
+                result = self.verify_fn(p, tokens, parents, valid, gens)
             lps = emitted_logprobs(logits, temp, result)
         kept = self._kept_states(hidden, result.paths)
         self._commit(seqs, result.paths, kept)
@@ -274,8 +277,8 @@ class SpecDecoder:
         T = graphed or T  # a graphed catch-up runs at one of a few padded lengths
         H = self.model.cfg.hidden_size
         hid = torch.zeros(len(seqs), T, H, dtype=self.engine.dtype, device=dev)
-        for i, (s, st, e) in enumerate(zip(seqs, starts, ends)):
-            hid[i, :e - st + 1] = self.hist[s.seq_id][st - 1:e]
+        torch._foreach_copy_([hid[i, :e - st + 1] for i, (st, e) in enumerate(zip(starts, ends))],
+                             [self.hist[s.seq_id][st - 1:e] for s, st, e in zip(seqs, starts, ends)])
         # token ids and positions built on the host, one copy each (padding: id 0 at position 0)
         pad = [T - (e - st + 1) for st, e in zip(starts, ends)]
         ids, pos = host_tensor([[s.all_ids()[st:e + 1] + [0] * k for s, st, e, k in zip(seqs, starts, ends, pad)],
@@ -315,27 +318,28 @@ class SpecDecoder:
         return DraftStep(tree, mask, depths)
 
     @torch.inference_mode()
-    def _verify_forward(self, seqs, tokens, mask, depths):
-        hidden = self.engine.tree_forward(seqs, tokens, depths, mask)
-        return self.model.logits(hidden), hidden
+    def _verify_forward(self, seqs, tokens, mask, depths) -> torch.Tensor:
+        return self.engine.tree_forward(seqs, tokens, depths, mask)
 
     def _walks_on_device(self, gens, q) -> bool:
-        """The device walk stands in for the default rules only (tests inject others), with a generator a row."""
+        """The graphed walk stands in for the default rules only (tests inject others), with a generator a row."""
         rule = self.verify_fn if q is None else self.stochastic_verify_fn
-        return self.device_walk and rule in (verify_deterministic, verify_stochastic) and can_reserve(gens)
+        return self.accept_graphs is not None and rule in (verify_deterministic, verify_stochastic) \
+            and can_reserve(gens)
 
-    def _device_walk(self, arm: Arm, p, q, tokens, parents, valid, gens, logits, temp):
-        """The acceptance walk over a fixed number of levels (no path is longer than the arm's depth + 1, an n-gram
-        chain's length), its uniforms drawn ahead; one read of the device at the end."""
+    def _device_walk(self, seqs, arm: Arm, hidden, q, tokens, parents, valid, gens):
+        """Logits, probabilities and the acceptance walk in one graph, over a fixed number of levels (no path is
+        longer than the arm's depth + 1, an n-gram chain's length), its uniforms drawn ahead; one read at the end."""
         N = tokens.shape[1]
         steps = N if arm.method == "ngram" else min(N, arm.depth + 1)
         width = arm.topk if arm.method == "eagle_tree" else 1  # a drafted node has at most topk children
-        reserved = reserve(gens, steps if q is None else steps * width + 1, p.device)
-        if q is None:
-            walk = walk_deterministic(p, tokens, parents, valid, reserved.u, steps, width)
-        else:
-            walk = walk_stochastic(p, q, tokens, parents, valid, reserved.u, steps, width)
-        return finish(walk, logits, temp, reserved)
+        reserved = reserve(gens, steps if q is None else steps * width + 1, hidden.device)
+        temp, top_k, top_p = ([getattr(s.params, k) for s in seqs] for k in ("temperature", "top_k", "top_p"))
+        shape = WalkShape(N, steps, width, q is not None, HostRows.of(temp, top_k, top_p, self.model.cfg.vocab_size))
+        t, k = host_tensor(temp, hidden.device, torch.float32), host_tensor(top_k, hidden.device)
+        walk, lp = self.accept_graphs.walk(shape, hidden, tokens, parents, valid, t, k,
+                                           host_tensor(top_p, hidden.device, torch.float32), reserved.u, q)
+        return read(walk, lp, reserved)
 
     def _target_probs(self, seqs, logits: torch.Tensor) -> torch.Tensor:
         B, N, V = logits.shape
@@ -356,8 +360,8 @@ class SpecDecoder:
     def _commit(self, seqs, paths, kept) -> None:
         """Keep the accepted nodes' hidden states (drafter data), then move their K/V into place."""
         if self.drafter is not None:
-            for s, states in zip(seqs, kept):
-                self.hist[s.seq_id][s.num_cached:s.num_cached + len(states)] = states
+            torch._foreach_copy_([self.hist[s.seq_id][s.num_cached:s.num_cached + len(k)] for s, k in zip(seqs, kept)],
+                                 kept)
         self.engine.commit_kv(seqs, paths)
 
     def _record(self, bucket, result, seqs, arm: Arm) -> None:

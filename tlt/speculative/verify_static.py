@@ -20,7 +20,8 @@ from typing import Sequence
 import torch
 
 from tlt.device import host_tensor
-from tlt.engine.sampler import sample_from, target_logprobs
+from tlt.engine.cuda_graph import GraphPool, GraphSet
+from tlt.engine.sampler import HostRows, sample_from, target_logprobs, transform_logits
 from tlt.speculative.verify import VerifyResult
 
 
@@ -144,19 +145,91 @@ def walk_stochastic(p, q, tokens, parents, valid, u, steps: int, max_children: i
     return walk
 
 
-def finish(walk: _Walk, logits: torch.Tensor, temperature: torch.Tensor,
-           reserved: Reserved) -> tuple[VerifyResult, list[list[float]]]:
-    """Read the walk once: (VerifyResult, the target's log-prob of every emitted token, as emitted_logprobs gives);
-    settle the generators."""
+def walk_logprobs(walk: _Walk, logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """The target's log-prob of each walk entry [B, S] (emitted_logprobs' quantity; junk past a row's end)."""
     B, S = walk.out_tok.shape
     ar = torch.arange(B, device=logits.device)
-    V = logits.shape[-1]
-    lp = target_logprobs(logits[ar[:, None], walk.out_node].reshape(B * S, V).float(),
-                         temperature.to(logits.device).repeat_interleave(S), walk.out_tok.clamp(min=0).reshape(-1))
+    lp = target_logprobs(logits[ar[:, None], walk.out_node].reshape(B * S, logits.shape[-1]).float(),
+                         temperature.to(logits.device).repeat_interleave(S), walk.out_tok.clamp(min=0).reshape(-1),
+                         static=True)
+    return lp.view(B, S)
+
+
+def read(walk: _Walk, lp: torch.Tensor, reserved: Reserved) -> tuple[VerifyResult, list[list[float]]]:
+    """Read the walk once: (VerifyResult, the target's log-prob of every emitted token, as emitted_logprobs gives);
+    settle the generators."""
+    S = walk.out_tok.shape[1]
     packed = torch.cat([walk.out_tok, walk.out_node, walk.n_out[:, None], walk.used[:, None]], 1).tolist()
-    lps = lp.view(B, S).tolist()
+    lps = lp.tolist()
     toks, nodes = [r[:S] for r in packed], [r[S:2 * S] for r in packed]
     lens, used = [r[2 * S] for r in packed], [r[2 * S + 1] for r in packed]
     reserved.settle(used)
     result = VerifyResult(paths=[nd[:n] for nd, n in zip(nodes, lens)], emitted_ids=[t[:n] for t, n in zip(toks, lens)])
     return result, [row[:n] for row, n in zip(lps, lens)]
+
+
+def finish(walk: _Walk, logits: torch.Tensor, temperature: torch.Tensor,
+           reserved: Reserved) -> tuple[VerifyResult, list[list[float]]]:
+    """walk_logprobs, then read."""
+    return read(walk, walk_logprobs(walk, logits, temperature), reserved)
+
+
+@dataclass(frozen=True)
+class WalkShape:
+    """What fixes an acceptance graph's shapes and ops (with the batch bucket)."""
+    num_nodes: int    # N: tree nodes a row, the root included
+    steps: int        # levels walked: the longest path + 1
+    width: int        # the most children a node has
+    stochastic: bool  # rejection sampling against q; else the deterministic drafts' rule
+    rows: HostRows    # the rows' sampling facts transform_logits would read from the device
+
+
+class GraphedAcceptance:
+    """The verify step's tail in one graph per (batch bucket, WalkShape): the target's logits from the verify
+    forward's hidden states, its probabilities, the walk and the emitted tokens' log-probs. Padding rows walk a
+    root without children at temperature 1 (their results are dropped). `capture=False` runs the same code
+    eagerly."""
+
+    def __init__(self, model, num_slots: int, capture: bool = True, pool: GraphPool | None = None):
+        self.model = model
+        self.set = GraphSet(num_slots, capture, pool)
+
+    @property
+    def num_captured(self) -> int:
+        return self.set.num_captured
+
+    def release(self) -> None:
+        self.set.graphs = {}
+
+    @torch.inference_mode()
+    def walk(self, shape: WalkShape, hidden: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+             valid: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+             u: torch.Tensor, q: torch.Tensor | None = None) -> tuple[_Walk, torch.Tensor]:
+        """hidden [B, N, H] of the verify forward; tokens, parents, valid [B, N]; the rows' sampling parameters
+        [B]; u [B, k] reserved uniforms; q [B, N, V] for rejection sampling -> (the walk, log-probs [B, steps])."""
+        values = dict(hidden=hidden, tokens=tokens, parents=parents, valid=valid, temperature=temperature,
+                      top_k=top_k, top_p=top_p, u=u)
+        if shape.stochastic:
+            values["q"] = q
+
+        def pad(x: dict, B: int) -> None:  # any width of the top-k selection serves k = 1
+            x["hidden"][B:], x["tokens"][B:], x["parents"][B:], x["valid"][B:], x["u"][B:] = 0, 0, -1, False, 0.5
+            x["temperature"][B:], x["top_k"][B:], x["top_p"][B:] = 1.0, 1, 1.0
+            if shape.stochastic:
+                x["q"][B:] = 0
+
+        def run(x: dict) -> tuple:
+            logits = self.model.logits(x["hidden"])                      # [Bp, N, V] fp32
+            Bp, N, V = logits.shape
+            rep = lambda t: t.repeat_interleave(N)  # noqa: E731  per node
+            p = transform_logits(logits.view(Bp * N, V), rep(x["temperature"]), rep(x["top_k"]), rep(x["top_p"]),
+                                 shape.rows).view(Bp, N, V)
+            if shape.stochastic:
+                walk = walk_stochastic(p, x["q"], x["tokens"], x["parents"], x["valid"], x["u"], shape.steps,
+                                       shape.width)
+            else:
+                walk = walk_deterministic(p, x["tokens"], x["parents"], x["valid"], x["u"], shape.steps, shape.width)
+            return walk.out_tok, walk.out_node, walk.n_out, walk.used, walk_logprobs(walk, logits, x["temperature"])
+
+        out_tok, out_node, n_out, used, lp = self.set.replay(("accept", shape), tokens.shape[0], values, pad, run)
+        return _Walk(out_tok, out_node, n_out, used), lp
