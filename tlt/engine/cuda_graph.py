@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from tlt.device import host_tensor
 from tlt.engine.kv_cache import KVCache
 from tlt.models.decoder import CacheView, Decoder
 
@@ -76,10 +77,32 @@ class GraphedForward:
         self.pool = pool or GraphPool()
         self.num_captured = 0
         kv.round_to = max(kv.round_to, ROUND)
+        # SD's commit (KVCache.move_positions), two launches a layer eagerly: one graph per padded count of moves
+        self.moves = GraphSet(2**31, capture, self.pool)
+        self.moves_key = None
 
     def release(self) -> None:
         """Drop the captured graphs and their memory pool (they point into a KV cache that is being freed)."""
         self.graphs, self.cache_key, self.pool.handle = {}, None, None
+        self.moves.graphs, self.moves_key = {}, None
+
+    def move_positions(self, rows: list[int], src: list[int], dst: list[int]) -> None:
+        """KVCache.move_positions through a graph. The moves are padded to a bucket with copies of the first, which
+        write the very value it writes to the same place."""
+        kv = self.kv
+        if (kv.k[0].data_ptr(), kv.capacity) != self.moves_key:
+            self.moves.graphs.clear()
+            self.moves_key = (kv.k[0].data_ptr(), kv.capacity)
+        M = self.moves.bucket(len(rows))
+        moves = host_tensor([[r, s, d] for r, s, d in zip(rows, src, dst)] + [[rows[0], src[0], dst[0]]] *
+                            (M - len(rows)), kv.device)
+
+        def run(x: dict) -> tuple:
+            r, s, d = x["moves"].unbind(1)
+            for t in kv.k + kv.v:
+                t[r, :, d] = t[r, :, s]
+            return ()
+        self.moves.replay(("moves",), M, {"moves": moves}, lambda x, B: None, run)
 
     def serves(self, B: int, T: int) -> bool:
         return T <= MAX_TOKENS and B <= self.kv.num_slots

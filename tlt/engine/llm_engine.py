@@ -172,7 +172,7 @@ class LLMEngine:
                 if node != j:
                     rows.append(i); src.append(s.num_cached + node); dst.append(s.num_cached + j)
         if rows:
-            self.kv.move_positions(rows, src, dst)
+            self.runner.move_positions(rows, src, dst)
         for s, path in zip(seqs, paths):
             s.num_cached += len(path)
 
