@@ -17,6 +17,10 @@ Shapes are static inside a graph, so:
 A graph is captured on the step that first needs it, with that step's own inputs: its warm-up forwards write the
 same K/V the step writes, so capturing changes nothing. `capture=False` runs the same padded static forward
 eagerly (any device): the tests check the padding and the static mask on CPU with it.
+
+GraphSet applies the same conventions to any function of static tensors: the speculative step's other graphs
+(the drafter's, the acceptance walk's: tlt.speculative.draft_graph and verify_static) and SD's K/V commit
+(`GraphedForward.move_positions`). Every graph of an engine shares one memory pool (GraphPool).
 """
 from __future__ import annotations
 
