@@ -6,7 +6,7 @@ import torch
 
 import tlt
 from tests.spec_util import quick_drafter
-from tlt.engine.cuda_graph import GraphPool, GraphSet
+from tlt.engine.cuda_graph import GraphedForward, GraphPool, GraphSet
 from tlt.engine.kv_cache import KVCache
 from tlt.speculative.config import SpecConfig
 from tlt.speculative.draft_graph import DraftShape, GraphedDrafter
@@ -281,3 +281,54 @@ def test_cuda_captured_drafting_equals_eager(tiny_llama_dir, trained, kind):
     _same_rollouts(*runs)
     for graphs in (runs[1][1].draft_graphs, runs[1][1].accept_graphs):
         assert graphs.num_captured >= 3 and all(g.graph is not None for g in graphs.set.graphs.values())
+
+
+@cuda
+def test_cuda_captured_ngram_step_equals_eager(tiny_llama_dir):
+    """n-gram chains (ragged: rows propose different lengths) through the captured acceptance and commit graphs,
+    seeded sampling with top-k and top-p rows, against enforce_eager=True in fp32."""
+    prompts, params = _requests()
+    params = [tlt.SamplingParams(max_tokens=p.max_tokens, temperature=1.0, seed=p.seed, top_k=[0, 5][i % 2],
+                                 top_p=[1.0, 0.9][i % 2]) for i, p in enumerate(params)]
+    outs, specs = [], []
+    for eager in (True, False):
+        llm = tlt.LLM(tiny_llama_dir, dtype="float32", device="cuda", max_num_seqs=16, enforce_eager=eager)
+        specs.append(SpecDecoder(llm.engine, SpecConfig(method="ngram", bs_threshold=None, adaptive=False,
+                                                        num_speculative_tokens=4), None))
+        outs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)])
+    for (ta, la), (tb, lb) in zip(*outs):
+        assert ta == tb
+        torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), atol=1e-5, rtol=0)
+    assert specs[0].accept_graphs is None and specs[1].accept_graphs.num_captured >= 3
+
+
+def test_captured_code_never_reads_the_device(tiny_llama_dir, trained, monkeypatch):
+    """What a CUDA graph captures must not read tensor values on the host (capture fails, or a replay reuses the
+    value read at capture). On CPU: every graph's code (drafting, catch-up, acceptance, K/V moves, the target's
+    forwards) runs once with bool / int / float / item / tolist on tensors raising, for each arm."""
+    def forbidden(*a, **k):
+        raise AssertionError("a host read inside captured code")
+
+    def guarded(run):
+        with monkeypatch.context() as m:
+            for name in ("__bool__", "__int__", "__float__", "item", "tolist"):
+                m.setattr(torch.Tensor, name, forbidden)
+            return run()
+
+    def fake_capture(self, run):
+        self.num_captured += 1
+        return None, guarded(run)
+
+    def fake_forward_capture(self, g):
+        self.num_captured += 1
+        g.out = guarded(lambda: self._run(g))
+    monkeypatch.setattr(GraphPool, "capture", fake_capture)
+    monkeypatch.setattr(GraphedForward, "_capture", fake_forward_capture)
+    for kind in ARMS:
+        llm, spec = _llm(tiny_llama_dir, trained, ARMS[kind], static=True, pool=GraphPool())
+        llm.engine.runner.graphs = GraphedForward(llm.engine.model, llm.engine.kv, capture=True,
+                                                  pool=spec.draft_graphs.set.pool)
+        _roll(llm)
+        assert spec.draft_graphs.num_captured >= 3 and spec.accept_graphs.num_captured >= 3
+    with pytest.raises(AssertionError, match="host read"):  # control: the guard catches a read
+        guarded(lambda: bool(torch.ones(1).any()))
