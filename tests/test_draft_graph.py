@@ -332,3 +332,15 @@ def test_captured_code_never_reads_the_device(tiny_llama_dir, trained, monkeypat
         assert spec.draft_graphs.num_captured >= 3 and spec.accept_graphs.num_captured >= 3
     with pytest.raises(AssertionError, match="host read"):  # control: the guard catches a read
         guarded(lambda: bool(torch.ones(1).any()))
+
+
+def test_sleep_drops_the_speculators_graphs(tiny_llama_dir, trained):
+    """The engine's sleep frees the drafter cache the drafter's graphs point into: they go with it, and the next
+    rollout builds them again and samples what the first did."""
+    llm, spec = _llm(tiny_llama_dir, trained, TREE, static=True)
+    first = _roll(llm)
+    assert spec.draft_graphs.graphs and spec.accept_graphs.set.graphs
+    llm.engine.sleep()
+    assert not spec.draft_graphs.graphs and not spec.accept_graphs.set.graphs and spec.dcache.capacity == 0
+    llm.engine.wake()
+    assert _roll(llm) == first and spec.draft_graphs.graphs
