@@ -3,7 +3,9 @@
 One graph per (batch bucket, arm) holds the drafter's per-depth forwards with their top-k (a chain or an EAGLE-2
 tree, `draft_tree`) or their draws (the sampled chain of rejection sampling, `draft_chain_sampled`), then the verify
 forward's tree layout (attention mask and node depths). A step replays it: one launch where the eager drafter made
-a few dozen a level. The conventions are the target's (tlt.engine.cuda_graph.GraphedForward):
+a few dozen a level. Before it, the catch-up (the drafter's forward over the positions its cache lacks) replays one
+graph per (batch bucket, padded length in CATCH_UP_LENGTHS). The conventions are the target's
+(tlt.engine.cuda_graph.GraphedForward, GraphSet):
   - a batch of B rows runs in the smallest bucket >= B; rows B.. are padding that writes its speculative drafter
     K/V into free slots (running rows are slots 0..B-1), at the last positions of the capacity;
   - every slot of the drafter cache is allocated at the first graphed step, its capacity grows in steps of ROUND,

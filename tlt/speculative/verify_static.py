@@ -11,6 +11,9 @@ draws ahead of it (`reserve`) as many uniforms as the longest walk may take, one
 walk takes them in order and counts how many each row used; `Reserved.settle` then puts every generator back where
 it was and draws exactly that many again, so it ends where the host walk leaves it. A row's k-th uniform is the one
 the host walk gives it: the tokens are the same (tests/test_verify_static.py compares the two walks).
+
+GraphedAcceptance captures the verify step's tail with it: the target's logits from the verify forward's hidden
+states, its probabilities (transform_logits with the rows' facts from the host), the walk and the log-probs.
 """
 from __future__ import annotations
 
