@@ -118,6 +118,11 @@ class SpecDecoder:
         """The drafter's and the acceptance walk's CUDA graphs captured so far (the engine adds them to its own)."""
         return sum(g.num_captured for g in (self.draft_graphs, self.accept_graphs) if g is not None)
 
+    def disable_graphs(self) -> None:
+        """Run the speculator's part of each step eagerly, the engine's own graphs kept (benchmarks compare)."""
+        self.release_graphs()
+        self.draft_graphs = self.accept_graphs = None
+
     def release_graphs(self) -> None:
         """Drop the speculator's graphs (the engine's sleep frees the drafter cache they point into, and the pool)."""
         for g in (self.draft_graphs, self.accept_graphs):
