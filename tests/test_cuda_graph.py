@@ -5,7 +5,7 @@ import torch
 
 import tlt
 from tests.spec_util import quick_drafter
-from tlt.engine.cuda_graph import GraphedForward
+from tlt.engine.cuda_graph import GraphedForward, GraphPool
 from tlt.speculative.config import SpecConfig
 from tlt.speculative.spec_decoder import SpecDecoder
 
@@ -76,6 +76,7 @@ def test_padded_static_verification_matches_eager(tiny_llama_dir, cpu_drafter, a
     graphs = _check_same(eager, graphed, prompts, kinds, temperature=0.0)
     T = 1 + arm.get("num_draft_tokens", arm["num_speculative_tokens"])
     assert any(t == T and tree for _, t, tree in graphs.graphs)
+    assert bool(graphs.moves.graphs) == (arm is TREE)  # the commit's K/V moves, padded (a chain moves nothing)
     plain = tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=16)
     _check_same(plain, graphed, prompts, kinds, temperature=0.0)
 
@@ -117,7 +118,13 @@ def test_bandit_skips_steps_that_captured_a_graph(tiny_llama_dir, cpu_drafter, m
     def fake_capture(self, g):
         self.num_captured += 1
         events.append("capture")
+
+    def fake_pool_capture(self, run):  # the other graphs (SD's KV commit)
+        self.num_captured += 1
+        events.append("capture")
+        return None, run()
     monkeypatch.setattr(GraphedForward, "_capture", fake_capture)
+    monkeypatch.setattr(GraphPool, "capture", fake_pool_capture)
     llm = tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=16)
     llm.engine.runner.graphs = GraphedForward(llm.engine.model, llm.engine.kv, capture=True)
     spec = SpecDecoder(llm.engine, SpecConfig(method="eagle", bs_threshold=None), cpu_drafter)
@@ -130,3 +137,28 @@ def test_bandit_skips_steps_that_captured_a_graph(tiny_llama_dir, cpu_drafter, m
     captured = ["capture" in s for s in steps]
     assert any(captured) and not all(captured)
     assert all(("update" in s) != c for s, c in zip(steps, captured))
+
+
+def test_padded_kv_moves_equal_the_cache_moves(tiny_llama_dir):
+    """SD's commit through GraphSet: 5 moves padded to 8 with copies of the first leave the cache as
+    KVCache.move_positions does; one more move (the control) shows the comparison sees a difference."""
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=4)
+    kv = llm.engine.kv
+    rows, src, dst = [0, 0, 1, 3, 3], [10, 12, 7, 20, 21], [8, 9, 5, 17, 18]
+    results = []
+    for how in ("cache", "graph", "extra move"):
+        kv.release()
+        kv.ensure_capacity(32, 4)
+        g = torch.Generator().manual_seed(0)
+        for t in kv.k + kv.v:
+            t.copy_(torch.randn(t.shape, generator=g))
+        if how == "cache":
+            kv.move_positions(rows, src, dst)
+        else:
+            graphs = GraphedForward(llm.engine.model, kv, capture=False)
+            extra = ([0], [30], [31]) if how == "extra move" else ([], [], [])
+            graphs.move_positions(rows + extra[0], src + extra[1], dst + extra[2])
+            assert [M for M, _ in graphs.moves.graphs] == [8]
+        results.append([t.clone() for t in kv.k + kv.v])
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
+    assert not all(torch.equal(a, b) for a, b in zip(results[0], results[2]))

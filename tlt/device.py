@@ -47,3 +47,14 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | str 
         raise ValueError(f"dtype={dtype!r} is not supported: use one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
+
+
+def host_tensor(data, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """torch.tensor(data, device=device) without waiting for the device: on CUDA the host copy is pinned and sent
+    asynchronously, where a plain host-to-device copy first waits for every kernel queued before it (a speculative
+    step makes several: docs/design.md §9). The pinned block is reused only once the copy has run."""
+    t = data.to(dtype) if isinstance(data, torch.Tensor) and dtype else \
+        data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

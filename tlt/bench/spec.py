@@ -1,7 +1,7 @@
 """Speculative-decoding benchmark: SD vs our plain decoding per strategy and batch size, temperature 1.
 
     tlt bench spec [--drafter DIR] [--batch-sizes 1,2,4,8,16,32] [--max-tokens 128] [--repeats 3] [--quick]
-                   [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16]
+                   [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16] [--sd-eager-too]
 
 Strategies: each fixed arm (EAGLE chain, EAGLE tree, n-gram) and the adaptive policy (bandit over the arm table,
 SD gated by batch size). Prompts are the default task's chat prompts; every configuration samples with the same
@@ -22,7 +22,16 @@ from tlt.bench.common import (TASKS, default_task_prompt_ids, interleaved_times,
 from tlt.device import resolve_device, resolve_dtype
 
 
-def strategies(drafter: str | None, depth: int) -> dict[str, dict | None]:
+def strategies(drafter: str | None, depth: int, sd_eager: bool = False) -> dict[str, dict | None]:
+    """Each strategy's speculative_config; sd_eager adds "<name>/sd_eager", the same with the speculator's CUDA
+    graphs off (the target's stay on)."""
+    s = _strategies(drafter, depth)
+    if sd_eager:
+        s.update({f"{name}/sd_eager": spec for name, spec in list(s.items()) if spec is not None})
+    return s
+
+
+def _strategies(drafter: str | None, depth: int) -> dict[str, dict | None]:
     s: dict[str, dict | None] = {"plain": None,
                                  "ngram": dict(method="ngram", bs_threshold=None, adaptive=False,
                                                num_speculative_tokens=depth)}
@@ -42,6 +51,9 @@ def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens,
     batch = prompts[:bs]
     llms = {name: tlt.LLM(model, tokenizer=tok, max_num_seqs=max(bs, 1), speculative_config=spec)
             for name, spec in specs.items()}
+    for name, llm in llms.items():
+        if name.endswith("/sd_eager"):
+            llm.spec.disable_graphs()
 
     def runner(llm):
         def go():
@@ -91,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--task", default="default", choices=TASKS,
                     help="prompt set: default (the default task) or longtail (tlt.tasks.longtail_sort)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--sd-eager-too", action="store_true",
+                    help="also each SD strategy with the speculator's CUDA graphs off (the target's stay on)")
     ap.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
     a = ap.parse_args(argv)
     if a.quick:
@@ -112,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = default_task_prompt_ids(tok, max(sizes), seed=a.seed + 1000, task=a.task)
     rows, results, pairs = [], {}, []
     for bs in sizes:
-        bs_rows, bs_pairs = run_ours(model, tok, prompts, bs, strategies(drafter, a.depth), a.max_tokens, a.repeats,
+        bs_rows, bs_pairs = run_ours(model, tok, prompts, bs, strategies(drafter, a.depth, a.sd_eager_too), a.max_tokens, a.repeats,
                                      a.seed)
         if bs == max(sizes):
             pairs = bs_pairs  # plain decoding's responses at the largest batch size: the oracle bound's sample

@@ -17,19 +17,49 @@ Shapes are static inside a graph, so:
 A graph is captured on the step that first needs it, with that step's own inputs: its warm-up forwards write the
 same K/V the step writes, so capturing changes nothing. `capture=False` runs the same padded static forward
 eagerly (any device): the tests check the padding and the static mask on CPU with it.
+
+GraphSet applies the same conventions to any function of static tensors: the speculative step's other graphs
+(the drafter's, the acceptance walk's: tlt.speculative.draft_graph and verify_static) and SD's K/V commit
+(`GraphedForward.move_positions`). Every graph of an engine shares one memory pool (GraphPool).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
+from tlt.device import host_tensor
 from tlt.engine.kv_cache import KVCache
 from tlt.models.decoder import CacheView, Decoder
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 ROUND = 256  # cache capacity grows in steps of this many positions while graphs are in use
 MAX_TOKENS = 64  # new tokens per row up to which forwards are graphed (the GPU arm table verifies at most 49)
+
+
+@dataclass
+class GraphPool:
+    """The memory pool that every graph of an engine shares, the target's and the drafter's
+    (tlt.speculative.draft_graph): graphs replay one at a time and each copies its outputs out at once."""
+    handle: Any = None
+    num_captured: int = 0
+
+    def capture(self, run: Callable[[], Any]) -> tuple["torch.cuda.CUDAGraph", Any]:
+        """Capture `run` (reading and writing only static tensors) -> (graph, its outputs). Warm-up first on a side
+        stream (cuBLAS / allocator set-up must not happen inside capture), with the same inputs, so whatever the
+        warm-up writes is what a replay writes."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.handle):
+            out = run()
+        self.handle = graph.pool()
+        self.num_captured += 1
+        return graph, out
 
 
 @dataclass
@@ -44,17 +74,39 @@ class _Graph:
 
 
 class GraphedForward:
-    def __init__(self, model: Decoder, kv: KVCache, capture: bool = True):
+    def __init__(self, model: Decoder, kv: KVCache, capture: bool = True, pool: GraphPool | None = None):
         self.model, self.kv, self.capture = model, kv, capture
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.cache_key = None
-        self.pool = None
+        self.pool = pool or GraphPool()
         self.num_captured = 0
         kv.round_to = max(kv.round_to, ROUND)
+        # SD's commit (KVCache.move_positions), two launches a layer eagerly: one graph per padded count of moves
+        self.moves = GraphSet(2**31, capture, self.pool)
+        self.moves_key = None
 
     def release(self) -> None:
         """Drop the captured graphs and their memory pool (they point into a KV cache that is being freed)."""
-        self.graphs, self.cache_key, self.pool = {}, None, None
+        self.graphs, self.cache_key, self.pool.handle = {}, None, None
+        self.moves.graphs, self.moves_key = {}, None
+
+    def move_positions(self, rows: list[int], src: list[int], dst: list[int]) -> None:
+        """KVCache.move_positions through a graph. The moves are padded to a bucket with copies of the first, which
+        write the very value it writes to the same place."""
+        kv = self.kv
+        if (kv.k[0].data_ptr(), kv.capacity) != self.moves_key:
+            self.moves.graphs.clear()
+            self.moves_key = (kv.k[0].data_ptr(), kv.capacity)
+        M = self.moves.bucket(len(rows))
+        moves = host_tensor([[r, s, d] for r, s, d in zip(rows, src, dst)] + [[rows[0], src[0], dst[0]]] *
+                            (M - len(rows)), kv.device)
+
+        def run(x: dict) -> tuple:
+            r, s, d = x["moves"].unbind(1)
+            for t in kv.k + kv.v:
+                t[r, :, d] = t[r, :, s]
+            return ()
+        self.moves.replay(("moves",), M, {"moves": moves}, lambda x, B: None, run)
 
     def serves(self, B: int, T: int) -> bool:
         return T <= MAX_TOKENS and B <= self.kv.num_slots
@@ -110,15 +162,53 @@ class GraphedForward:
         return self.model(g.ids, g.positions, view)
 
     def _capture(self, g: _Graph) -> None:
-        # warm-up on a side stream (cuBLAS / allocator set-up must not happen inside capture); the step's own inputs,
-        # so the K/V these forwards write are the ones the step writes
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._run(g)
-        torch.cuda.current_stream().wait_stream(stream)
-        g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self.pool):
-            g.out = self._run(g)
-        self.pool = g.graph.pool()
+        g.graph, g.out = self.pool.capture(lambda: self._run(g))
         self.num_captured += 1
+
+
+@dataclass
+class StaticGraph:
+    inputs: dict[str, torch.Tensor]  # static inputs over the bucket's Bp rows, by name
+    out: tuple | None = None         # outputs over Bp rows
+    graph: "torch.cuda.CUDAGraph | None" = None
+    padded_from: int = -1            # rows from here on hold the padding inputs (refilled when B changes)
+
+
+class GraphSet:
+    """Graphs of one computation keyed by (batch bucket, shape), GraphedForward's conventions for any function of
+    static tensors: a batch of B rows runs in the smallest bucket >= B, its inputs copied into the bucket's static
+    tensors and rows B.. filled by the caller's `pad`; captured on first use (or run eagerly when not capturing,
+    on any device: the same padded static code)."""
+
+    def __init__(self, num_slots: int, capture: bool = True, pool: GraphPool | None = None):
+        self.num_slots, self.capture = num_slots, capture
+        self.pool = pool or GraphPool()
+        self.graphs: dict[tuple, StaticGraph] = {}
+        self.num_captured = 0
+
+    def bucket(self, B: int) -> int:
+        return min(next((b for b in BUCKETS if b >= B), B), self.num_slots)
+
+    def replay(self, shape: tuple, B: int, values: dict[str, torch.Tensor],
+               pad: Callable[[dict[str, torch.Tensor], int], None],
+               run: Callable[[dict[str, torch.Tensor]], tuple]) -> tuple:
+        """values: each input's B rows; pad(inputs, B) fills rows B..; run(inputs) -> output tensors (or None) over
+        the bucket's rows -> the outputs' first B rows (copies)."""
+        Bp = self.bucket(B)
+        g = self.graphs.get((Bp, shape))
+        new = g is None
+        if new:
+            g = self.graphs[(Bp, shape)] = StaticGraph({k: v.new_zeros(Bp, *v.shape[1:]) for k, v in values.items()})
+        for k, v in values.items():
+            g.inputs[k][:B] = v
+        if g.padded_from != B:
+            pad(g.inputs, B)
+            g.padded_from = B
+        if new and self.capture:
+            g.graph, g.out = self.pool.capture(lambda: run(g.inputs))
+            self.num_captured += 1
+        if g.graph is not None:
+            g.graph.replay()
+        else:
+            g.out = run(g.inputs)
+        return tuple(None if t is None else t[:B].clone() for t in g.out)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from tlt.device import host_tensor
 from tlt.models.config import ModelConfig
 from tlt.models.decoder import CacheView
 
@@ -56,9 +57,11 @@ class KVCache:
     def move_positions(self, rows: list[int], src: list[int], dst: list[int]) -> None:
         """Within each listed row, copy the K/V at position src[i] to dst[i] (SD's accepted nodes into place)."""
         dev = self.k[0].device
-        r, s_, d_ = (torch.tensor(x, device=dev) for x in (rows, src, dst))
+        r, s_, d_ = host_tensor([rows, src, dst], dev)  # one copy, not waited for
         for t in self.k + self.v:
             t[r, :, d_] = t[r, :, s_]
 
-    def view(self, cache_lens: torch.Tensor, slot_start: int = 0, tree_mask: torch.Tensor | None = None) -> CacheView:
-        return CacheView(self.k, self.v, cache_lens, slot_start, tree_mask)
+    def view(self, cache_lens: torch.Tensor, slot_start: int = 0, tree_mask: torch.Tensor | None = None,
+             static: bool = False) -> CacheView:
+        """static: masks over the whole capacity, no host read of cache_lens (a CUDA graph's forward)."""
+        return CacheView(self.k, self.v, cache_lens, slot_start, tree_mask, static)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tlt.device import host_tensor
+from tlt.engine.cuda_graph import GraphPool
 from tlt.engine.kv_cache import KVCache
 from tlt.engine.model_runner import ModelRunner
 from tlt.engine.params import SamplingParams
@@ -108,6 +110,8 @@ class LLMEngine:
             cache.release()
         if self.runner.graphs is not None:
             self.runner.graphs.release()
+        if self.spec is not None:
+            self.spec.release_graphs()  # the drafter's graphs point into its cache, freed above
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.asleep = True
@@ -134,8 +138,15 @@ class LLMEngine:
 
     @property
     def num_graph_captures(self) -> int:
-        """CUDA graphs captured so far: a step that captured one costs many plain steps, once."""
-        return self.runner.num_graph_captures
+        """CUDA graphs captured so far, the target's and the speculator's: a step that captured one costs many
+        plain steps, once."""
+        return self.runner.num_graph_captures + (self.spec.num_graph_captures if self.spec is not None else 0)
+
+    @property
+    def graph_pool(self) -> GraphPool | None:
+        """The memory pool of this engine's CUDA graphs, for a speculator's own graphs to share; None when the
+        engine runs eagerly (CPU, or enforce_eager=True): then the speculator runs eagerly too."""
+        return self.runner.graphs.pool if self.runner.graphs is not None else None
 
     def decode_forward(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """A plain decode forward of the running rows -> (logits [B, V] fp32, hidden [B, H]); sample with
@@ -149,7 +160,7 @@ class LLMEngine:
         hidden [B, T, H]. Their K/V land at num_cached + node index; commit_kv moves the accepted ones."""
         lens = [s.num_cached for s in seqs]
         self.kv.ensure_capacity(max(lens) + tokens.shape[1] + 1)
-        n = torch.tensor(lens, device=tokens.device)
+        n = host_tensor(lens, tokens.device)
         return self.runner.cached_forward(tokens, n[:, None] + depths, n, mask)
 
     def commit_kv(self, seqs: list[Sequence], paths: list[list[int]]) -> None:
@@ -161,7 +172,7 @@ class LLMEngine:
                 if node != j:
                     rows.append(i); src.append(s.num_cached + node); dst.append(s.num_cached + j)
         if rows:
-            self.kv.move_positions(rows, src, dst)
+            self.runner.move_positions(rows, src, dst)
         for s, path in zip(seqs, paths):
             s.num_cached += len(path)
 

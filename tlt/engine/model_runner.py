@@ -100,7 +100,14 @@ class ModelRunner:
             return self.graphs.forward(ids, positions, lens, tree_mask)
         return self.model(ids, positions, self.kv.view(lens, tree_mask=tree_mask))
 
+    def move_positions(self, rows: list[int], src: list[int], dst: list[int]) -> None:
+        """KVCache.move_positions (SD's commit), through a captured graph where the forwards use them."""
+        if self.graphs is not None:
+            self.graphs.move_positions(rows, src, dst)
+        else:
+            self.kv.move_positions(rows, src, dst)
+
     @property
     def num_graph_captures(self) -> int:
         """CUDA graphs captured so far (a capturing step costs many plain steps, once)."""
-        return 0 if self.graphs is None else self.graphs.num_captured
+        return 0 if self.graphs is None else self.graphs.num_captured + self.graphs.moves.num_captured

@@ -8,23 +8,41 @@ same way; docs/design.md §7).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tlt.models.kernels import greedy_logprobs, token_logprobs
 
 
+@dataclass(frozen=True)
+class HostRows:
+    """What transform_logits reads from the device, known on the host from the rows' parameters: the top-k width
+    (None: no row uses top-k), whether any row uses top-p, whether any row is greedy."""
+    top_k_width: int | None
+    nucleus: bool
+    greedy: bool
+
+    @classmethod
+    def of(cls, temperature: list[float], top_k: list[int], top_p: list[float], vocab_size: int) -> "HostRows":
+        width = max(min(k if k > 0 else vocab_size, vocab_size) for k in top_k) if any(k > 0 for k in top_k) else None
+        return cls(width, any(p < 1 for p in top_p), any(t <= 0 for t in temperature))
+
+
 def transform_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] fp32; temperature [N] (0 = greedy); top_k [N] (<=0 = off); top_p [N] (1 = off) -> probs [N, V]."""
+                     top_p: torch.Tensor, host: HostRows | None = None) -> torch.Tensor:
+    """logits [N, V] fp32; temperature [N] (0 = greedy); top_k [N] (<=0 = off); top_p [N] (1 = off) -> probs [N, V].
+    host: the same facts from the host, so nothing here reads the device (the same probs)."""
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    if bool((top_k > 0).any()):
+    if bool((top_k > 0).any()) if host is None else host.top_k_width is not None:
         k = torch.where(top_k > 0, top_k, logits.shape[-1]).clamp(max=logits.shape[-1])
-        kth = scaled.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        width = int(k.max()) if host is None else host.top_k_width
+        kth = scaled.topk(width, dim=-1).values.gather(1, (k - 1)[:, None])
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = scaled.softmax(dim=-1)
     nucleus = top_p < 1
-    if bool(nucleus.any()):
+    if bool(nucleus.any()) if host is None else host.nucleus:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_p.cumsum(-1) - sorted_p
         drop_sorted = mass_before > top_p[:, None]  # keep the smallest prefix whose mass reaches top_p
@@ -33,7 +51,7 @@ def transform_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
         # only the nucleus rows change: a top_p = 1 row keeps its softmax bit for bit in any batch, so a seeded
         # request draws the same token whoever shares its batch (plain or speculative step)
         probs = torch.where(nucleus[:, None], kept / kept.sum(-1, keepdim=True), probs)
-    if bool(greedy.any()):
+    if bool(greedy.any()) if host is None else host.greedy:
         onehot = torch.zeros_like(probs).scatter_(1, argmax(logits)[:, None], 1.0)
         probs = torch.where(greedy[:, None], onehot, probs)
     return probs
@@ -61,26 +79,29 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, target_logprobs(logits, torch.zeros(logits.shape[0], device=logits.device), ids)
 
 
-def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def sample_from(probs: torch.Tensor, u: torch.Tensor, static: bool = False) -> torch.Tensor:
     """Inverse-CDF draw in vocabulary order: probs [N, V] (unnormalised weights are fine), u [N] in [0, 1) -> token
     ids [N], the i with cdf[i-1] <= u * total < cdf[i]. Never a zero-probability token. Plain decoding and
-    speculative verification both draw with this function, so a row's u yields the same token in either."""
+    speculative verification both draw with this function, so a row's u yields the same token in either.
+    static: the same ids without reading the device on the host (inside a CUDA graph; a little more work)."""
     cdf = probs.cumsum(-1)
     ids = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True)[:, 0]
     over = ids >= probs.shape[-1]
-    if bool(over.any()):  # u * total rounded up to the total: take the last token with positive weight
+    if static or bool(over.any()):  # u * total rounded up to the total: take the last token with positive weight
         last = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(-1)
         ids = torch.where(over, last, ids)
     return ids
 
 
-def target_logprobs(logits: torch.Tensor, temperature: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def target_logprobs(logits: torch.Tensor, temperature: torch.Tensor, ids: torch.Tensor,
+                    static: bool = False) -> torch.Tensor:
     """Log-prob of `ids` under softmax(logits / T) (raw softmax at T = 0), before top-k/top-p: the quantity an RL
     trainer recomputes as the old policy's log-prob (verl divides logits by the rollout temperature likewise).
-    On CPU in fp32: tlt's kernel (no [N, V] log_softmax output), else torch."""
+    On CPU in fp32: tlt's kernel (no [N, V] log_softmax output), else torch. static: divide every row without
+    reading the device first (x / 1 is x, so the same values)."""
     fast = token_logprobs(logits, temperature, ids)
     if fast is not None:
         return fast
-    if bool(((temperature > 0) & (temperature != 1)).any()):
+    if static or bool(((temperature > 0) & (temperature != 1)).any()):
         logits = logits / torch.where(temperature <= 0, 1.0, temperature)[:, None]
     return logits.log_softmax(-1).gather(1, ids[:, None])[:, 0]

@@ -20,17 +20,20 @@ from collections import defaultdict
 
 import torch
 
+from tlt.device import host_tensor
 from tlt.engine.kv_cache import KVCache
-from tlt.engine.sampler import transform_logits
+from tlt.engine.sampler import HostRows, transform_logits
 from tlt.engine.sequence import Sequence
 from tlt.speculative.bandit import Arm, StrategyBandit
 from tlt.schema import ConfigError
 from tlt.speculative.config import SpecConfig
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.ngram import NgramDrafter
-from tlt.speculative.tree_draft import draft_chain_sampled, draft_tree
+from tlt.speculative.draft_graph import DraftShape, DraftStep, GraphedDrafter
+from tlt.speculative.tree_draft import draft_chain_sampled, draft_tree, draw_uniforms
 from tlt.speculative.verify import (chain_to_tree, emitted_logprobs, tree_layout, uniforms_from, verify_deterministic,
                              verify_stochastic)
+from tlt.speculative.verify_static import GraphedAcceptance, WalkShape, can_reserve, read, reserve
 
 
 class SpecDecoder:
@@ -47,6 +50,13 @@ class SpecDecoder:
                                      close=cfg.close_buckets)
         self.dcache = KVCache(self.model.cfg, engine.num_slots, engine.dtype, engine.device, num_layers=1) \
             if drafter else None
+        # the drafter's per-depth forwards through CUDA graphs where the engine graphs its own (docs/design.md §9)
+        pool = engine.graph_pool
+        self.draft_graphs = GraphedDrafter(self.drafter, self.dcache, capture=engine.device.type == "cuda",
+                                           pool=pool) if drafter is not None and pool is not None else None
+        # logits, probabilities and the acceptance walk in graphs too, read once a step (tlt.speculative.verify_static)
+        self.accept_graphs = GraphedAcceptance(self.model, engine.num_slots, capture=engine.device.type == "cuda",
+                                               pool=pool) if pool is not None else None
         self.hist: dict[int, torch.Tensor] = {}   # seq_id -> [max_total_len, H] target hidden h_t per position
         self.dcached: dict[int, int] = {}         # seq_id -> committed drafter-cache entries (positions 1..n)
         self.low_steps = 0
@@ -103,6 +113,22 @@ class SpecDecoder:
         """Split decode time into the bulk (batch above the threshold, SD off) and the tail (SD gate on)."""
         self.st["tail_time_s" if self._gate_on else "bulk_time_s"] += seconds
 
+    @property
+    def num_graph_captures(self) -> int:
+        """The drafter's and the acceptance walk's CUDA graphs captured so far (the engine adds them to its own)."""
+        return sum(g.num_captured for g in (self.draft_graphs, self.accept_graphs) if g is not None)
+
+    def disable_graphs(self) -> None:
+        """Run the speculator's part of each step eagerly, the engine's own graphs kept (benchmarks compare)."""
+        self.release_graphs()
+        self.draft_graphs = self.accept_graphs = None
+
+    def release_graphs(self) -> None:
+        """Drop the speculator's graphs (the engine's sleep frees the drafter cache they point into, and the pool)."""
+        for g in (self.draft_graphs, self.accept_graphs):
+            if g is not None:
+                g.release()
+
     # ---- engine hooks ---------------------------------------------------------------------------------------
     def on_add(self, seq: Sequence) -> None:
         self.ngram.register(seq.seq_id, seq.group_id, tuple(seq.prompt_ids), seq.prompt_ids)
@@ -123,8 +149,8 @@ class SpecDecoder:
         # keep h_t so that turning SD on costs only a drafter extend; not in a closed bucket (docs/design.md §6)
         if self.drafter is not None and self.capturing(len(seqs)):
             t0 = time.perf_counter()
-            for i, s in enumerate(seqs):
-                self.hist[s.seq_id][s.num_cached - 1] = hidden[i]
+            # one multi-tensor copy, not a launch a row
+            torch._foreach_copy_([self.hist[s.seq_id][s.num_cached - 1] for s in seqs], list(hidden.unbind(0)))
             dt = time.perf_counter() - t0
             self.st["hist_time_s"] += dt
             self.charge_capture(len(seqs), dt)
@@ -206,40 +232,39 @@ class SpecDecoder:
     def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str) -> tuple[list[Sequence], int]:
         eng, dev = self.engine, self.engine.device
         t0 = time.perf_counter()
-        n = torch.tensor([s.num_cached for s in seqs], device=dev)   # position of each row's last token
-        roots = torch.tensor([s.last_token for s in seqs], device=dev)
-        temp = torch.tensor([s.params.temperature for s in seqs], device=dev)
+        # host-to-device copies that wait for nothing (host_tensor) throughout the step
+        n, roots = host_tensor([[s.num_cached for s in seqs], [s.last_token for s in seqs]], dev)  # n: last token's pos
+        temp = host_tensor([s.params.temperature for s in seqs], dev)
         gens = [s.generator for s in seqs]
         if arm.method == "ngram":
             props = [self.ngram.propose(s.seq_id, arm.num_draft_tokens) for s in seqs]
             k = max(1, max(map(len, props)))
-            draft = torch.tensor([p + [0] * (k - len(p)) for p in props], device=dev)
-            tokens, parents, valid = chain_to_tree(roots, draft, torch.tensor([len(p) for p in props], device=dev))
+            draft = host_tensor([p + [0] * (k - len(p)) for p in props], dev)
+            tokens, parents, valid = chain_to_tree(roots, draft, host_tensor([len(p) for p in props], dev))
             q = None
+            mask, depths = tree_layout(parents, valid)
         else:
             t_catchup = time.perf_counter()
             root_pred = self._drafter_catch_up(seqs)
             self.st["catchup_time_s"] += time.perf_counter() - t_catchup
-            self.dcache.ensure_capacity(int(n.max()) + arm.depth * arm.topk + 1)
-            if self.cfg.acceptance == "rejection" and arm.method == "eagle_chain":
-                tree = draft_chain_sampled(self.drafter, self.dcache, roots, root_pred, n, n, arm.depth, temp,
-                                           uniforms_from(gens))
-            else:
-                tree = draft_tree(self.drafter, self.dcache, roots, root_pred, n, n, arm.depth, arm.topk,
-                                  arm.num_draft_tokens)
-            tokens, parents, q = tree.tokens, tree.parents, tree.q
+            drafted = self._draft(seqs, arm, roots, root_pred, n, temp, gens)
+            tokens, parents, q = drafted.tree.tokens, drafted.tree.parents, drafted.tree.q
+            mask, depths = drafted.mask, drafted.depths  # a drafted tree has every node valid
             valid = torch.ones_like(tokens, dtype=torch.bool)
         t1 = time.perf_counter()
-        # a drafted tree has every node valid: its mask and depths come from one ancestor closure
-        logits, hidden = self._verify_forward(seqs, tokens, parents, valid if arm.method == "ngram" else None)
-        p = self._target_probs(seqs, logits)
-        if q is not None:  # drafts drawn from q: Leviathan/Chen rejection sampling
-            result = self.stochastic_verify_fn(p, q, tokens, parents, valid, gens)
+        hidden = self._verify_forward(seqs, tokens, mask, depths)
+        if self._walks_on_device(gens, q):
+            result, lps = self._device_walk(seqs, arm, hidden, q, tokens, parents, valid, gens)
         else:
-            result = self.verify_fn(p, tokens, parents, valid, gens)
-        lps = emitted_logprobs(logits, temp, result)
-        self._commit(seqs, result.paths, hidden)
-        kept = [hidden[i, path] for i, path in enumerate(result.paths)]
+            logits = self.model.logits(hidden)
+            p = self._target_probs(seqs, logits)
+            if q is not None:  # drafts drawn from q: Leviathan/Chen rejection sampling
+                result = self.stochastic_verify_fn(p, q, tokens, parents, valid, gens)
+            else:
+                result = self.verify_fn(p, tokens, parents, valid, gens)
+            lps = emitted_logprobs(logits, temp, result)
+        kept = self._kept_states(hidden, result.paths)
+        self._commit(seqs, result.paths, kept)
         done = eng.append_tokens(seqs, result.emitted_ids, lps, kept)
         self._record(bucket, result, seqs, arm)
         self.st["draft_time_s"] += t1 - t0
@@ -253,45 +278,95 @@ class SpecDecoder:
         starts = [self.dcached[s.seq_id] + 1 for s in seqs]     # first missing position per row
         ends = [s.num_cached for s in seqs]                      # last token's position n
         T = max(e - st + 1 for st, e in zip(starts, ends))
+        graphed = self.draft_graphs.catch_up_length(T) if self.draft_graphs is not None else None
+        T = graphed or T  # a graphed catch-up runs at one of a few padded lengths
         H = self.model.cfg.hidden_size
         hid = torch.zeros(len(seqs), T, H, dtype=self.engine.dtype, device=dev)
-        for i, (s, st, e) in enumerate(zip(seqs, starts, ends)):
-            hid[i, :e - st + 1] = self.hist[s.seq_id][st - 1:e]
+        torch._foreach_copy_([hid[i, :e - st + 1] for i, (st, e) in enumerate(zip(starts, ends))],
+                             [self.hist[s.seq_id][st - 1:e] for s, st, e in zip(seqs, starts, ends)])
         # token ids and positions built on the host, one copy each (padding: id 0 at position 0)
         pad = [T - (e - st + 1) for st, e in zip(starts, ends)]
-        ids = torch.tensor([s.all_ids()[st:e + 1] + [0] * k for s, st, e, k in zip(seqs, starts, ends, pad)],
-                           device=dev)
-        pos = torch.tensor([list(range(st, e + 1)) + [0] * k for st, e, k in zip(starts, ends, pad)], device=dev)
+        ids, pos = host_tensor([[s.all_ids()[st:e + 1] + [0] * k for s, st, e, k in zip(seqs, starts, ends, pad)],
+                                [list(range(st, e + 1)) + [0] * k for st, e, k in zip(starts, ends, pad)]], dev)
         cached = [st - 1 for st in starts]
-        # rows are padded to T, so a row deep into SD writes its padding up to (its cached entries) + T
-        self.dcache.ensure_capacity(max(cached) + T)
-        lens = torch.tensor(cached, device=dev)
-        with torch.inference_mode():
-            out = self.drafter(hid, ids, pos, self.dcache.view(lens))
+        lens, last = host_tensor([cached, [e - st for st, e in zip(starts, ends)]], dev)
         for s, e in zip(seqs, ends):
             self.dcached[s.seq_id] = e
-        last = torch.tensor([e - st for st, e in zip(starts, ends)], device=dev)
+        if graphed:
+            return self.draft_graphs.catch_up(hid, ids, pos, lens, last, max(cached))
+        # rows are padded to T, so a row deep into SD writes its padding up to (its cached entries) + T
+        self.dcache.ensure_capacity(max(cached) + T)
+        with torch.inference_mode():  # static with the graphs: nothing read from the device
+            out = self.drafter(hid, ids, pos, self.dcache.view(lens, static=self.draft_graphs is not None))
         return out[torch.arange(len(seqs), device=dev), last]
 
+    def _draft(self, seqs, arm: Arm, roots, root_pred, n, temp, gens) -> DraftStep:
+        """The drafter's tree (or chain) for this step and its verify layout: through the drafting graphs where the
+        engine graphs its forwards (tlt.speculative.draft_graph), else eagerly (the same code)."""
+        max_n = max(s.num_cached for s in seqs)
+        sampled = self.cfg.acceptance == "rejection" and arm.method == "eagle_chain"
+        # the sampled chain's draws, level by level before drafting: the rows' generators advance as they did when
+        # each level drew its own
+        uniforms = host_tensor(draw_uniforms(uniforms_from(gens), len(seqs), arm.depth), n.device) \
+            if sampled else None
+        if self.draft_graphs is not None:
+            shape = DraftShape(arm.depth, arm.topk, arm.num_draft_tokens, sampled)
+            return self.draft_graphs.draft(shape, roots, root_pred, n, max_n, temp, uniforms)
+        self.dcache.ensure_capacity(max_n + arm.depth * arm.topk + 1)
+        if sampled:
+            tree = draft_chain_sampled(self.drafter, self.dcache, roots, root_pred, n, n, arm.depth, temp, uniforms)
+        else:
+            tree = draft_tree(self.drafter, self.dcache, roots, root_pred, n, n, arm.depth, arm.topk,
+                              arm.num_draft_tokens)
+        with torch.inference_mode():
+            mask, depths = tree_layout(tree.parents)
+        return DraftStep(tree, mask, depths)
+
     @torch.inference_mode()
-    def _verify_forward(self, seqs, tokens, parents, valid):
-        mask, depths = tree_layout(parents, valid)
-        hidden = self.engine.tree_forward(seqs, tokens, depths, mask)
-        return self.model.logits(hidden), hidden
+    def _verify_forward(self, seqs, tokens, mask, depths) -> torch.Tensor:
+        return self.engine.tree_forward(seqs, tokens, depths, mask)
+
+    def _walks_on_device(self, gens, q) -> bool:
+        """The graphed walk stands in for the default rules only (tests inject others), with a generator a row."""
+        rule = self.verify_fn if q is None else self.stochastic_verify_fn
+        return self.accept_graphs is not None and rule in (verify_deterministic, verify_stochastic) \
+            and can_reserve(gens)
+
+    def _device_walk(self, seqs, arm: Arm, hidden, q, tokens, parents, valid, gens):
+        """Logits, probabilities and the acceptance walk in one graph, over a fixed number of levels (no path is
+        longer than the arm's depth + 1, an n-gram chain's length), its uniforms drawn ahead; one read at the end."""
+        N = tokens.shape[1]
+        steps = N if arm.method == "ngram" else min(N, arm.depth + 1)
+        width = arm.topk if arm.method == "eagle_tree" else 1  # a drafted node has at most topk children
+        reserved = reserve(gens, steps if q is None else steps * width + 1, hidden.device)
+        temp, top_k, top_p = ([getattr(s.params, k) for s in seqs] for k in ("temperature", "top_k", "top_p"))
+        shape = WalkShape(N, steps, width, q is not None, HostRows.of(temp, top_k, top_p, self.model.cfg.vocab_size))
+        t, k = host_tensor(temp, hidden.device, torch.float32), host_tensor(top_k, hidden.device)
+        walk, lp = self.accept_graphs.walk(shape, hidden, tokens, parents, valid, t, k,
+                                           host_tensor(top_p, hidden.device, torch.float32), reserved.u, q)
+        return read(walk, lp, reserved)
 
     def _target_probs(self, seqs, logits: torch.Tensor) -> torch.Tensor:
         B, N, V = logits.shape
         dev = logits.device
-        rep = lambda xs: torch.tensor(xs, device=dev).repeat_interleave(N)  # noqa: E731  per node
-        p = transform_logits(logits.view(B * N, V), rep([s.params.temperature for s in seqs]),
-                             rep([s.params.top_k for s in seqs]), rep([s.params.top_p for s in seqs]))
+        rep = lambda xs: host_tensor(xs, dev).repeat_interleave(N)  # noqa: E731  per node
+        temp, top_k, top_p = ([getattr(s.params, k) for s in seqs] for k in ("temperature", "top_k", "top_p"))
+        p = transform_logits(logits.view(B * N, V), rep(temp), rep(top_k), rep(top_p),
+                             HostRows.of(temp, top_k, top_p, V))  # nothing read from the device
         return p.view(B, N, V)
 
-    def _commit(self, seqs, paths, hidden) -> None:
+    @staticmethod
+    def _kept_states(hidden: torch.Tensor, paths: list[list[int]]) -> list[torch.Tensor]:
+        """hidden [B, N, H] -> per row its path's states [len(path), H], gathered at once (one index copy)."""
+        idx = host_tensor([[i for i, path in enumerate(paths) for _ in path], [n for path in paths for n in path]],
+                          hidden.device)
+        return list(hidden[idx[0], idx[1]].split([len(path) for path in paths]))
+
+    def _commit(self, seqs, paths, kept) -> None:
         """Keep the accepted nodes' hidden states (drafter data), then move their K/V into place."""
         if self.drafter is not None:
-            for i, (s, path) in enumerate(zip(seqs, paths)):
-                self.hist[s.seq_id][s.num_cached:s.num_cached + len(path)] = hidden[i, path]
+            torch._foreach_copy_([self.hist[s.seq_id][s.num_cached:s.num_cached + len(k)] for s, k in zip(seqs, kept)],
+                                 kept)
         self.engine.commit_kv(seqs, paths)
 
     def _record(self, bucket, result, seqs, arm: Arm) -> None:

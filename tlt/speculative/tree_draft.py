@@ -33,16 +33,15 @@ def _top_children(drafter: Drafter, pred: torch.Tensor, k: int) -> tuple[torch.T
     return val, drafter.to_target_ids(idx)
 
 
-def _sampled_child(drafter: Drafter, pred: torch.Tensor, temperature: torch.Tensor, draw: UniformFn,
-                   vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """pred [B, H] -> (one child a row drawn from the drafter's law at the row's temperature (its argmax at 0),
-    target id [B]; that law in the target vocabulary [B, V])."""
+def _sampled_child(drafter: Drafter, pred: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+                   vocab_size: int, static: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """pred [B, H], u [B] -> (one child a row drawn from the drafter's law at the row's temperature (its argmax at
+    0), target id [B]; that law in the target vocabulary [B, V])."""
     logits = drafter.logits(pred)                                           # [B, V_draft] fp32
     t = temperature[:, None]
     probs = torch.where(t > 0, (logits / t.clamp(min=1e-6)).softmax(-1),
                         F.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype))
-    rows = torch.arange(len(pred), device=pred.device)
-    idx = sample_from(probs, draw(rows).to(pred.device))
+    idx = sample_from(probs, u.to(pred.device), static=static)
     q = probs.new_zeros(len(pred), vocab_size)
     if drafter.d2t is None:
         q.copy_(probs)
@@ -51,23 +50,31 @@ def _sampled_child(drafter: Drafter, pred: torch.Tensor, temperature: torch.Tens
     return drafter.to_target_ids(idx), q
 
 
+def draw_uniforms(draw: UniformFn, batch: int, depth: int) -> torch.Tensor:
+    """The uniforms of a sampled chain [B, depth], drawn level by level (all rows, then the next level): the order
+    draft_chain_sampled consumed them in when it drew at each level, so a shared generator gives the same values."""
+    rows = torch.arange(batch)
+    return torch.stack([draw(rows) for _ in range(depth)], 1) if depth else torch.zeros(batch, 0)
+
+
 @torch.inference_mode()
 def draft_chain_sampled(drafter: Drafter, dcache, root_tokens: torch.Tensor, root_pred: torch.Tensor,
                         root_pos: torch.Tensor, cache_lens: torch.Tensor, depth: int, temperature: torch.Tensor,
-                        draw: UniformFn) -> DraftTree:
+                        uniforms: torch.Tensor, static: bool = False) -> DraftTree:
     """A chain of `depth` drafts a row, each drawn from the drafter's law (not its argmax), and those laws: the
     input of Leviathan/Chen rejection sampling, whose acceptance 1 - TV(p, q) exceeds a deterministic draft's
-    p(draft) where the target is spread out (temperature ~1). Arguments as for `draft_tree`; temperature [B]."""
+    p(draft) where the target is spread out (temperature ~1). Arguments as for `draft_tree`; temperature [B];
+    uniforms [B, depth]: level d's draw of each row in column d - 1 (`draw_uniforms`)."""
     B, dev = root_tokens.shape[0], root_tokens.device
     V = drafter.target.cfg.vocab_size
-    tok, q = _sampled_child(drafter, root_pred, temperature, draw, V)
+    tok, q = _sampled_child(drafter, root_pred, temperature, uniforms[:, 0], V, static)
     toks, qs = [tok], [q]
     hidden = root_pred[:, None]
     for level in range(2, depth + 1):
         tree_mask = torch.ones(B, 1, level - 1, dtype=torch.bool, device=dev)  # sees every earlier draft
         pos = (root_pos + level - 1)[:, None]
-        hidden = drafter(hidden, toks[-1][:, None], pos, dcache.view(cache_lens, tree_mask=tree_mask))
-        tok, q = _sampled_child(drafter, hidden[:, 0], temperature, draw, V)
+        hidden = drafter(hidden, toks[-1][:, None], pos, dcache.view(cache_lens, tree_mask=tree_mask, static=static))
+        tok, q = _sampled_child(drafter, hidden[:, 0], temperature, uniforms[:, level - 1], V, static)
         toks.append(tok); qs.append(q)
     tokens = torch.cat([root_tokens[:, None], torch.stack(toks, 1)], 1)
     parents = torch.arange(-1, depth, device=dev).expand(B, depth + 1)
@@ -76,9 +83,12 @@ def draft_chain_sampled(drafter: Drafter, dcache, root_tokens: torch.Tensor, roo
 
 @torch.inference_mode()
 def draft_tree(drafter: Drafter, dcache, root_tokens: torch.Tensor, root_pred: torch.Tensor, root_pos: torch.Tensor,
-               cache_lens: torch.Tensor, depth: int, topk: int, num_draft_tokens: int) -> DraftTree:
+               cache_lens: torch.Tensor, depth: int, topk: int, num_draft_tokens: int,
+               static: bool = False) -> DraftTree:
     """root_pred [B, H]: the drafter's predicted hidden state at the root; root_pos [B] its position;
-    cache_lens [B]: committed drafter-cache entries (speculative ones of this step are written after them)."""
+    cache_lens [B]: committed drafter-cache entries (speculative ones of this step are written after them).
+    static: attention over the drafter cache's whole capacity, nothing read on the host (tlt.speculative.draft_graph).
+    Every shape depends only on (B, depth, topk, num_draft_tokens)."""
     B, dev = root_tokens.shape[0], root_tokens.device
     rows = torch.arange(B, device=dev)
     val, tok = _top_children(drafter, root_pred[:, None], topk)             # [B, 1, k]
@@ -95,7 +105,7 @@ def draft_tree(drafter: Drafter, dcache, root_tokens: torch.Tensor, root_pred: t
         tree_mask = torch.cat([anc, own], dim=-1)                           # [B, k, S + k]
         ids = flat_tok.gather(1, front)
         pos = (root_pos + level - 1)[:, None].expand(B, topk)
-        pred = drafter(front_hidden, ids, pos, dcache.view(cache_lens, tree_mask=tree_mask))  # [B, k, H]
+        pred = drafter(front_hidden, ids, pos, dcache.view(cache_lens, tree_mask=tree_mask, static=static))
         val, tok = _top_children(drafter, pred, topk)                       # [B, k, k]
         score = flat_score.gather(1, front)[:, :, None] + val               # cumulative log-prob
         base = flat_tok.shape[1]

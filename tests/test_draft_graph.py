@@ -1,0 +1,346 @@
+"""The drafter's static (graphable) drafting path (tlt.speculative.draft_graph): padded batch buckets, a drafter cache
+over its whole capacity and pre-drawn uniforms give the eager drafter's drafts. On CPU the static code runs
+uncaptured; on CUDA it is captured and replayed."""
+import pytest
+import torch
+
+import tlt
+from tests.spec_util import quick_drafter
+from tlt.engine.cuda_graph import GraphedForward, GraphPool, GraphSet
+from tlt.engine.kv_cache import KVCache
+from tlt.speculative.config import SpecConfig
+from tlt.speculative.draft_graph import DraftShape, GraphedDrafter
+from tlt.speculative.drafter import Drafter
+from tlt.speculative.spec_decoder import SpecDecoder
+from tlt.speculative.tree_draft import draft_chain_sampled, draft_tree
+from tlt.speculative.verify_static import GraphedAcceptance
+from tlt.speculative.verify import tree_layout
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: captured drafter graphs")
+
+CHAIN = dict(num_speculative_tokens=3)
+TREE = dict(num_speculative_tokens=4, draft_topk=3, num_draft_tokens=10)
+SAMPLED = dict(num_speculative_tokens=4, acceptance="rejection")
+ARMS = {"chain": CHAIN, "tree": TREE, "sampled": SAMPLED}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir):
+    return tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu").model
+
+
+@pytest.fixture(scope="module")
+def trained(model):
+    return quick_drafter(model, steps=40, num_prompts=8, max_tokens=24).trainable_state_dict()
+
+
+def _drafter(model, state=None, seed=0):
+    torch.manual_seed(seed)
+    d = Drafter(model.cfg).attach(model)
+    if state is not None:
+        d.load_state_dict(state, strict=False)
+    return d.eval()
+
+
+# ---- the drafting functions alone ----------------------------------------------------------------------------------
+def _cache(model, slots=8, committed=40, seed=1):
+    kv = KVCache(model.cfg, slots, torch.float32, "cpu", num_layers=1)
+    kv.ensure_capacity(committed + 8, slots)
+    g = torch.Generator().manual_seed(seed)
+    for t in kv.k + kv.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    return kv
+
+
+def _inputs(model, B, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    roots = torch.randint(1, model.cfg.vocab_size, (B,), generator=g)
+    pred = torch.randn(B, model.cfg.hidden_size, generator=g)
+    n = torch.randint(3, 40, (B,), generator=g)
+    return roots, pred, n
+
+
+def _eager(drafter, kv, shape, roots, pred, n, temp, u):
+    kv.ensure_capacity(int(n.max()) + shape.depth * shape.topk + 1)
+    if shape.sampled:
+        tree = draft_chain_sampled(drafter, kv, roots, pred, n, n, shape.depth, temp, u)
+    else:
+        tree = draft_tree(drafter, kv, roots, pred, n, n, shape.depth, shape.topk, shape.num_draft_tokens)
+    return tree, *tree_layout(tree.parents)
+
+
+def _assert_same_drafts(a, b):
+    (ta, ma, da), step = a, b
+    assert torch.equal(step.tree.tokens, ta.tokens) and torch.equal(step.tree.parents, ta.parents)
+    assert torch.equal(step.mask, ma) and torch.equal(step.depths, da)
+    if ta.q is not None:
+        torch.testing.assert_close(step.tree.q, ta.q, atol=1e-6, rtol=0)
+
+
+SHAPES = {"chain": DraftShape(3, 1, 3, False), "tree": DraftShape(4, 3, 10, False),
+          "sampled": DraftShape(4, 1, 4, True)}
+
+
+@pytest.mark.parametrize("B", [1, 3, 5])
+@pytest.mark.parametrize("kind", list(SHAPES))
+def test_static_drafting_equals_eager(model, trained, kind, B):
+    """B = 3 and 5 pad to buckets 4 and 8: the drafts, the sampled chain's laws, the verify layout and the running
+    rows' drafter cache all equal the eager drafter's; the padding writes only free slots."""
+    shape, drafter = SHAPES[kind], _drafter(model, trained)
+    roots, pred, n = _inputs(model, B)
+    temp = torch.full((B,), 0.8)
+    u = torch.rand(B, shape.depth, generator=torch.Generator().manual_seed(3))
+    eager_kv, static_kv = _cache(model), _cache(model)
+    with torch.inference_mode():
+        ref = _eager(drafter, eager_kv, shape, roots, pred, n, temp, u)
+        graphs = GraphedDrafter(drafter, static_kv, capture=False)
+        step = graphs.draft(shape, roots, pred, n, int(n.max()), temp, u)
+    _assert_same_drafts(ref, step)
+    assert {b for b, _ in graphs.graphs} == {graphs.bucket(B)}
+    L = eager_kv.capacity
+    for e, s in zip(eager_kv.k + eager_kv.v, static_kv.k + static_kv.v):
+        assert torch.equal(s[:B, :, :L], e[:B])  # committed and speculative entries of the running rows
+
+
+def test_a_wrong_padding_row_is_caught(model, trained, monkeypatch):
+    """Control: padding that starts one row early (it overwrites the last running row's inputs) changes the drafts,
+    so the comparison above can fail."""
+    shape, drafter = SHAPES["tree"], _drafter(model, trained)
+    roots, pred, n = _inputs(model, 3)
+    replay = GraphSet.replay
+    monkeypatch.setattr(GraphSet, "replay", lambda self, shape, B, values, pad, run:
+                        replay(self, shape, B, values, lambda x, b: pad(x, b - 1), run))
+    with torch.inference_mode():
+        ref = _eager(drafter, _cache(model), shape, roots, pred, n, None, None)
+        step = GraphedDrafter(drafter, _cache(model), capture=False).draft(shape, roots, pred, n, int(n.max()))
+    assert torch.equal(step.tree.tokens[:2], ref[0].tokens[:2])
+    assert not torch.equal(step.tree.tokens[2], ref[0].tokens[2])
+
+
+def test_cache_growth_recaptures_and_stays_equal(model, trained):
+    """A row deep enough to need more capacity grows the drafter cache: the graphs (held by address) are dropped
+    and built again, and the drafts still equal the eager drafter's."""
+    shape, drafter = SHAPES["tree"], _drafter(model, trained)
+    kv = _cache(model)
+    graphs = GraphedDrafter(drafter, kv, capture=False)
+    roots, pred, n = _inputs(model, 3)
+    with torch.inference_mode():
+        graphs.draft(shape, roots, pred, n, int(n.max()))
+        first = graphs.key
+        deep = n.clone()
+        deep[1] = 300  # past the first capacity (256)
+        ref = _eager(drafter, _cache(model), shape, roots, pred, deep, None, None)
+        step = graphs.draft(shape, roots, pred, deep, int(deep.max()))
+    assert graphs.key != first and kv.capacity == 512
+    _assert_same_drafts(ref, step)
+
+
+@pytest.mark.parametrize("T", [5, 40])
+def test_static_catch_up_equals_eager(model, trained, T):
+    """The drafter cache's catch-up over 3 rows of uneven lengths padded to T = 8 (a graphed length) or 40 (past
+    the largest: SpecDecoder runs it eagerly, still over the static mask): the predicted hidden states at each row's
+    last position equal the eager forward's to fp32 rounding."""
+    drafter, B = _drafter(model, trained), 3
+    g = torch.Generator().manual_seed(4)
+    lens, real = torch.tensor([10, 0, 33]), torch.tensor([T, 1, T - 2])
+    Tp = GraphedDrafter.catch_up_length(T) or T
+    hidden = torch.randn(B, Tp, model.cfg.hidden_size, generator=g)
+    ids = torch.randint(1, 128, (B, Tp), generator=g)
+    pos = lens[:, None] + 1 + torch.arange(Tp)
+    last = real - 1
+    with torch.inference_mode():
+        eager_kv, static_kv = _cache(model), _cache(model)
+        eager_kv.ensure_capacity(int(lens.max()) + Tp)
+        ref = drafter(hidden, ids, pos, eager_kv.view(lens))[torch.arange(B), last]
+        graphs = GraphedDrafter(drafter, static_kv, capture=False)
+        if Tp in (8,):
+            out = graphs.catch_up(hidden, ids, pos, lens, last, int(lens.max()))
+            assert [s for _, s in graphs.graphs] == [("catch_up", 8)]
+        else:
+            assert GraphedDrafter.catch_up_length(T) is None
+            static_kv.ensure_capacity(int(lens.max()) + Tp)
+            out = drafter(hidden, ids, pos, static_kv.view(lens, static=True))[torch.arange(B), last]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+# ---- through the engine --------------------------------------------------------------------------------------------
+def _requests(n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 128, (int(L),), generator=g).tolist() for L in torch.randint(2, 20, (n,), generator=g)]
+    return prompts, [tlt.SamplingParams(max_tokens=8 + 6 * i, temperature=1.0, seed=7 + i) for i in range(n)]
+
+
+def _llm(path, model_state, arm, static, pool=None):
+    """An engine with SD on (fixed arm), its drafts recorded; static: the step's static path (uncaptured)."""
+    llm = tlt.LLM(path, dtype="float32", device="cpu", max_num_seqs=16, enforce_eager=True)
+    spec = SpecDecoder(llm.engine, SpecConfig(method="eagle", bs_threshold=None, adaptive=False, **arm),
+                       _drafter(llm.engine.model, model_state))
+    if static:  # the whole step's static code: drafting, and logits, probabilities and walk
+        spec.draft_graphs = GraphedDrafter(spec.drafter, spec.dcache, capture=pool is not None, pool=pool)
+        spec.accept_graphs = GraphedAcceptance(spec.model, llm.engine.num_slots, capture=pool is not None, pool=pool)
+    spec.drafts = []
+    draft = spec._draft
+    spec._draft = lambda *a: (spec.drafts.append(d := draft(*a)), d)[1]
+    return llm, spec
+
+
+def _roll(llm, swap_at=None, new_state=None):
+    prompts, params = _requests()
+    seqs = [llm.engine.add_request(p, sp)[0] for p, sp in zip(prompts, params)]
+    steps = 0
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        steps += 1
+        if steps == swap_at:
+            llm.engine.spec.load_drafter_state(new_state)
+    return [(s.output_ids, s.logprobs) for s in seqs]
+
+
+def _same_rollouts(a, b):
+    (outs_a, spec_a), (outs_b, spec_b) = a, b
+    assert len(spec_a.drafts) == len(spec_b.drafts) > 5
+    for da, db in zip(spec_a.drafts, spec_b.drafts):
+        _assert_same_drafts((da.tree, da.mask, da.depths), db)
+    for (ta, la), (tb, lb) in zip(outs_a, outs_b):
+        assert ta == tb
+        torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", list(ARMS))
+def test_engine_static_drafting_equals_eager(tiny_llama_dir, trained, kind):
+    """Seeded sampling at temperature 1, five requests of different lengths (the batch shrinks 5 -> 1 through
+    buckets 8, 4, 2, 1): every step's drafts, and the tokens and log-probs, equal the eager step's (drafter, host
+    walk)."""
+    runs = []
+    for static in (False, True):
+        llm, spec = _llm(tiny_llama_dir, trained, ARMS[kind], static)
+        runs.append((_roll(llm), spec))
+    _same_rollouts(*runs)
+    graphs = runs[1][1].draft_graphs.graphs
+    assert len({b for b, _ in graphs}) >= 3 and len({s for _, s in graphs if s[0] == "catch_up"}) >= 2
+
+
+def test_drafter_swap_mid_rollout_reaches_the_static_path(tiny_llama_dir, trained, model):
+    """New weights published at step 6 are copied into the drafter's own parameters (what a replayed graph reads):
+    the static path's drafts equal the eager path's with the same swap, and differ from a run without it."""
+    fresh = _drafter(model, seed=5).trainable_state_dict()
+    runs = []
+    for static, swap in ((False, True), (True, True), (True, False)):
+        llm, spec = _llm(tiny_llama_dir, trained, TREE, static)
+        ptrs = [p.data_ptr() for p in spec.drafter.parameters()]
+        runs.append((_roll(llm, swap_at=6 if swap else None, new_state=fresh), spec))
+        assert [p.data_ptr() for p in spec.drafter.parameters()] == ptrs
+    _same_rollouts(runs[0], runs[1])
+    after = [(a.tree.tokens.shape == b.tree.tokens.shape and torch.equal(a.tree.tokens, b.tree.tokens))
+             for a, b in zip(runs[1][1].drafts[6:], runs[2][1].drafts[6:])]
+    assert not all(after)
+
+
+def test_drafter_captures_count_for_the_bandit(tiny_llama_dir, trained, monkeypatch):
+    """A drafter graph captured in a step counts among the engine's captures, so the bandit skips that step's time.
+    Captures are simulated on CPU (the static code runs uncaptured and counts one)."""
+    def fake_capture(self, run):
+        self.num_captured += 1
+        return None, run()
+    monkeypatch.setattr(GraphPool, "capture", fake_capture)
+    llm, spec = _llm(tiny_llama_dir, trained, CHAIN, static=True, pool=GraphPool())
+    events = []
+    update, step = spec.bandit.update, spec.step
+    monkeypatch.setattr(spec.bandit, "update", lambda *a: (events.append("update"), update(*a)))
+
+    def counted_step(seqs):
+        before = llm.engine.num_graph_captures
+        done = step(seqs)
+        events.append(("captured", llm.engine.num_graph_captures > before))
+        return done
+    monkeypatch.setattr(spec, "step", counted_step)
+    _roll(llm)
+    assert llm.engine.num_graph_captures == spec.draft_graphs.num_captured + spec.accept_graphs.num_captured
+    assert spec.draft_graphs.num_captured >= 3 and spec.accept_graphs.num_captured >= 3
+    steps = " ".join("u" if e == "update" else "C" if e[1] else "-" for e in events).split()
+    pairs = [(steps[i - 1] == "u" if i else False, c) for i, c in enumerate(steps) if c != "u"]
+    assert any(c == "C" for _, c in pairs) and any(c == "-" for _, c in pairs)
+    assert all(updated == (c == "-") for updated, c in pairs)  # updated exactly the steps that captured nothing
+
+
+# ---- CUDA: captured graphs against the eager engine ----------------------------------------------------------------
+@cuda
+@pytest.mark.parametrize("kind", list(ARMS))
+def test_cuda_captured_drafting_equals_eager(tiny_llama_dir, trained, kind):
+    """On CUDA in fp32: the engine's default (captured target and drafter graphs) against enforce_eager=True."""
+    runs = []
+    for eager in (True, False):
+        llm = tlt.LLM(tiny_llama_dir, dtype="float32", device="cuda", max_num_seqs=16, enforce_eager=eager)
+        spec = SpecDecoder(llm.engine, SpecConfig(method="eagle", bs_threshold=None, adaptive=False, **ARMS[kind]),
+                           _drafter(llm.engine.model, trained))
+        assert (spec.draft_graphs is None) == (spec.accept_graphs is None) == eager
+        spec.drafts, draft = [], spec._draft
+        spec._draft = lambda *a, spec=spec, draft=draft: (spec.drafts.append(d := draft(*a)), d)[1]
+        runs.append((_roll(llm, swap_at=6, new_state=_drafter(llm.engine.model, seed=5).trainable_state_dict()),
+                     spec))
+    _same_rollouts(*runs)
+    for graphs in (runs[1][1].draft_graphs, runs[1][1].accept_graphs):
+        assert graphs.num_captured >= 3 and all(g.graph is not None for g in graphs.set.graphs.values())
+
+
+@cuda
+def test_cuda_captured_ngram_step_equals_eager(tiny_llama_dir):
+    """n-gram chains (ragged: rows propose different lengths) through the captured acceptance and commit graphs,
+    seeded sampling with top-k and top-p rows, against enforce_eager=True in fp32."""
+    prompts, params = _requests()
+    params = [tlt.SamplingParams(max_tokens=p.max_tokens, temperature=1.0, seed=p.seed, top_k=[0, 5][i % 2],
+                                 top_p=[1.0, 0.9][i % 2]) for i, p in enumerate(params)]
+    outs, specs = [], []
+    for eager in (True, False):
+        llm = tlt.LLM(tiny_llama_dir, dtype="float32", device="cuda", max_num_seqs=16, enforce_eager=eager)
+        specs.append(SpecDecoder(llm.engine, SpecConfig(method="ngram", bs_threshold=None, adaptive=False,
+                                                        num_speculative_tokens=4), None))
+        outs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)])
+    for (ta, la), (tb, lb) in zip(*outs):
+        assert ta == tb
+        torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), atol=1e-5, rtol=0)
+    assert specs[0].accept_graphs is None and specs[1].accept_graphs.num_captured >= 3
+
+
+def test_captured_code_never_reads_the_device(tiny_llama_dir, trained, monkeypatch):
+    """What a CUDA graph captures must not read tensor values on the host (capture fails, or a replay reuses the
+    value read at capture). On CPU: every graph's code (drafting, catch-up, acceptance, K/V moves, the target's
+    forwards) runs once with bool / int / float / item / tolist on tensors raising, for each arm."""
+    def forbidden(*a, **k):
+        raise AssertionError("a host read inside captured code")
+
+    def guarded(run):
+        with monkeypatch.context() as m:
+            for name in ("__bool__", "__int__", "__float__", "item", "tolist"):
+                m.setattr(torch.Tensor, name, forbidden)
+            return run()
+
+    def fake_capture(self, run):
+        self.num_captured += 1
+        return None, guarded(run)
+
+    def fake_forward_capture(self, g):
+        self.num_captured += 1
+        g.out = guarded(lambda: self._run(g))
+    monkeypatch.setattr(GraphPool, "capture", fake_capture)
+    monkeypatch.setattr(GraphedForward, "_capture", fake_forward_capture)
+    for kind in ARMS:
+        llm, spec = _llm(tiny_llama_dir, trained, ARMS[kind], static=True, pool=GraphPool())
+        llm.engine.runner.graphs = GraphedForward(llm.engine.model, llm.engine.kv, capture=True,
+                                                  pool=spec.draft_graphs.set.pool)
+        _roll(llm)
+        assert spec.draft_graphs.num_captured >= 3 and spec.accept_graphs.num_captured >= 3
+    with pytest.raises(AssertionError, match="host read"):  # control: the guard catches a read
+        guarded(lambda: bool(torch.ones(1).any()))
+
+
+def test_sleep_drops_the_speculators_graphs(tiny_llama_dir, trained):
+    """The engine's sleep frees the drafter cache the drafter's graphs point into: they go with it, and the next
+    rollout builds them again and samples what the first did."""
+    llm, spec = _llm(tiny_llama_dir, trained, TREE, static=True)
+    first = _roll(llm)
+    assert spec.draft_graphs.graphs and spec.accept_graphs.set.graphs
+    llm.engine.sleep()
+    assert not spec.draft_graphs.graphs and not spec.accept_graphs.set.graphs and spec.dcache.capacity == 0
+    llm.engine.wake()
+    assert _roll(llm) == first and spec.draft_graphs.graphs
