@@ -43,66 +43,161 @@ def local_numel(shape: torch.Size, world: int) -> int:
     return rows * math.prod(shape[1:])
 
 
+ALL_PHASES = ("rollout", "old_log_prob", "ref_log_prob", "update", "weight_sync", "drafter")
+FORWARD_PHASES = ("old_log_prob", "ref_log_prob")
+
+
+@dataclass
+class Row:
+    name: str
+    bytes: int
+    key: str                                  # the config key that changes it
+    phases: tuple[str, ...] = ALL_PHASES      # the RL step's phases during which it is live
+    where: str = "device"                     # "host": offloaded (actor.fsdp_offload), not on the device
+
+
 @dataclass
 class Plan:
-    rows: list[tuple[str, int, str]]   # (component, bytes on one device, the key that changes it)
+    rows: list[Row]
 
     @property
     def total(self) -> int:
-        return sum(b for _, b, _ in self.rows)
+        """The device's peak: the largest phase (what must fit)."""
+        return max(self.phase_bytes(p) for p in ALL_PHASES)
+
+    def phase_bytes(self, phase: str) -> int:
+        return sum(r.bytes for r in self.rows if phase in r.phases and r.where == "device")
 
     def bytes(self, name: str) -> int:
-        return next(b for n, b, _ in self.rows if n == name)
+        return next(r.bytes for r in self.rows if r.name == name)
 
     def table(self) -> str:
         lines = [f"{'component':<22}{'MiB':>12}  key to change"]
-        lines += [f"{n:<22}{b / 2**20:>12.2f}  {k}" for n, b, k in self.rows]
-        lines.append(f"{'total':<22}{self.total / 2**20:>12.2f}")
+        lines += [f"{r.name:<22}{r.bytes / 2**20:>12.2f}  {r.key}" + ("  (host memory)" if r.where == "host" else "")
+                  for r in self.rows]
+        lines += [f"{'peak (' + p + ')':<22}{self.phase_bytes(p) / 2**20:>12.2f}" for p in ALL_PHASES
+                  if self.phase_bytes(p) == self.total][:1]
         return "\n".join(lines)
 
 
-def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int) -> Plan:
-    a = cfg.actor
+def _kv_bytes(cfg: Config, m: ModelConfig, prompts_per_rank: int, capacity: int, layers: int) -> int:
+    """The engine's slot KV cache at its largest (tlt.engine.kv_cache): slots rounded up to 8 for the sequences
+    running at once, capacity rounded up to 32 positions."""
+    running = min(cfg.rollout.max_num_seqs, prompts_per_rank * cfg.rollout.n)
+    slots = min(-(-running // 8) * 8, cfg.rollout.max_num_seqs)
+    width = 2 if cfg.rollout_dtype() == "bfloat16" else 4
+    return slots * capacity * layers * 2 * m.num_kv_heads * m.head_dim * width
+
+
+def largest_micro_batch(cfg: Config, groups: int, prompt_len: int) -> tuple[int, int]:
+    """(padded tokens, response tokens) of the largest micro-batch of `groups` prompt groups whose prompts and
+    responses are all at their longest: the actor's own packing (actor.share_prompt) and split
+    (actor.ppo_max_token_len)."""
+    from tlt.rl.actor import _pack_cost, micro_batches
+    n, R, a = cfg.rollout.n, cfg.data.max_response_length, cfg.actor
+    if a.share_prompt:  # share_prompts' choice for equal lengths: m packs minimising the cost
+        m = min(range(1, n + 1), key=lambda k: sum(_pack_cost(prompt_len + len(range(j, n, k)) * R) for j in range(k)))
+        sizes = [len(range(j, n, m)) for j in range(m)] * groups
+    else:
+        sizes = [1] * (n * groups)
+    lens = [prompt_len + k * R for k in sizes]
+    best = (0, 0)
+    for chunk in micro_batches(lens, a.ppo_max_token_len):
+        padded = len(chunk) * max(lens[c] for c in chunk)
+        best = max(best, (padded, sum(sizes[c] for c in chunk) * R))
+    return best
+
+
+def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_rank: int | None = None,
+                prompt_len: int | None = None) -> Plan:
+    """Bytes one device holds, per component and RL-step phase (docs/design.md §16). prompts_per_rank defaults to
+    data.train_batch_size / world; prompt_len (the longest prompt) to data.max_prompt_length."""
+    from tlt.device import cpu_has_fast_bf16
+    a, m = cfg.actor, model_cfg
     fsdp = a.strategy == "fsdp"
+    prompts_per_rank = prompts_per_rank or max(cfg.data.train_batch_size // world, 1)
+    P = prompt_len or cfg.data.max_prompt_length
+    R = cfg.data.max_response_length
     with torch.device("meta"):
-        shapes = [p.shape for p in Decoder(model_cfg).parameters()]
-        layer_numel = sum(p.numel() for p in Decoder(model_cfg).layers[0].parameters())
+        model = Decoder(model_cfg)
+        shapes = [p.shape for p in model.parameters()]
+        layer_numel = sum(p.numel() for p in model.layers[0].parameters())
+        full_numel = sum(p.numel() for p in model.parameters())
     numel = sum(local_numel(s, world) if fsdp else math.prod(s) for s in shapes)
     width = 2 if cfg.policy_dtype() == "bfloat16" else 4
-    compute = 2 if a.bf16_autocast and cfg.model.device != "cpu" else width
+    on_cuda = cfg.model.device.startswith("cuda") or (cfg.model.device == "auto" and torch.cuda.is_available())
+    autocast = a.bf16_autocast and width == 4 and (on_cuda or cpu_has_fast_bf16())
+    compute = 2 if autocast else width
     shard_key = "actor.strategy=fsdp" if not fsdp else "more ranks (--world-size)"
-    rows = [("parameters", numel * width, shard_key), ("gradients", numel * width, shard_key),
-            ("optimizer", ADAM_STATES * numel * width, shard_key)]
+    where = "host" if fsdp and a.fsdp_offload else "device"
+    update, forward = ("update",), FORWARD_PHASES
+    rows = [Row("parameters", numel * width, shard_key, where=where),
+            Row("gradients", numel * width, shard_key, where=where),
+            Row("optimizer", ADAM_STATES * numel * width, shard_key, where=where)]
     if a.use_kl_loss:
-        rows.append(("reference model", numel * width, "actor.use_kl_loss"))
+        rows.append(Row("reference model", numel * width, "actor.use_kl_loss", where=where))
+    rollout_width = 2 if cfg.rollout_dtype() == "bfloat16" else 4
+    if cfg.rollout_dtype() != cfg.policy_dtype() or fsdp:  # the engine decodes its own full copy
+        rows.append(Row("rollout weights", full_numel * rollout_width, "rollout.dtype"))
     if fsdp:  # a layer's gathered weights, and the next one's prefetched, in the compute dtype
-        rows.append(("fsdp gathered layers", 2 * layer_numel * compute, "actor.strategy"))
-    m = model_cfg
-    # a micro-batch holds at least one whole row, so the longest prompt + response bounds it from below
-    T = max(a.ppo_max_token_len, cfg.data.max_prompt_length + cfg.data.max_response_length)
+        rows.append(Row("fsdp gathered layers", 2 * layer_numel * compute, "actor.strategy",
+                        phases=forward + update + ("weight_sync",)))
     H, inter = m.hidden_size, m.intermediate_size
     qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
     # saved per token and layer for the backward: norm inputs/outputs, q/k/v, attention out, MLP in, gate/up, act
     per_layer = (4 * H + 2 * qkv + 3 * inter) * compute
+    tokens, resp = largest_micro_batch(cfg, max(prompts_per_rank // _num_mini_batches(cfg), 1), P)
     kept = m.num_layers * (H * compute if a.gradient_checkpointing else per_layer) + \
         (per_layer if a.gradient_checkpointing else 0)
-    # fp32 logits, log-softmax and its gradient per response token: for one chunk at a time with
-    # actor.logprob_chunk_tokens (plus a log-prob and its gradient per token)
-    vocab = 3 * m.vocab_size * 4
-    chunk = min(T, a.logprob_chunk_tokens or T)
-    rows.append(("activations", T * kept + chunk * vocab + T * 8 * (chunk < T),
-                 "actor.logprob_chunk_tokens, actor.ppo_max_token_len or data.max_response_length "
-                 "(or actor.gradient_checkpointing)"))
-    kv_width = 2 if cfg.rollout_dtype() == "bfloat16" else 4
-    max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    kv = cfg.rollout.max_num_seqs * max_len * m.num_layers * 2 * m.num_kv_heads * m.head_dim * kv_width
-    rows.append(("kv cache", kv, "rollout.max_num_seqs"))
+    # fp32 [M, V] tensors per response token at the update's forward peak: log-softmax, and exp, clamp and their
+    # product for the entropy; one chunk at a time with actor.logprob_chunk_tokens
+    V = m.vocab_size
+    chunk = min(resp, a.logprob_chunk_tokens or resp)
+    rows.append(Row("activations", tokens * kept + 4 * chunk * V * 4 + resp * 8 * (chunk < resp),
+                    "actor.logprob_chunk_tokens, actor.ppo_max_token_len or data.max_response_length "
+                    "(or actor.gradient_checkpointing)", phases=update))
+    f_tokens, f_resp = largest_micro_batch(cfg, prompts_per_rank, P)
+    f_chunk = min(f_resp, a.logprob_chunk_tokens or f_resp)
+    # no graph: one layer's transients, then the logits and their log-softmax
+    rows.append(Row("log-prob forward", f_tokens * per_layer + 2 * f_chunk * V * 4, "actor.logprob_chunk_tokens",
+                    phases=forward))
+    capacity = -(-(P + R) // 32) * 32
+    kv = _kv_bytes(cfg, m, prompts_per_rank, capacity, m.num_layers)
+    rows.append(Row("kv cache", kv, "rollout.max_num_seqs"))
+    # growing the cache copies it: the last growth holds the old cache (32 positions shorter) beside the new
+    rows.append(Row("kv cache growth", kv * (capacity - 32) // capacity, "rollout.max_num_seqs",
+                    phases=("rollout",)))
+    linear_numel = full_numel - _non_linear_numel(model)
+    copy = cfg.rollout_dtype() != cfg.policy_dtype() or fsdp
+    if not on_cuda:  # tlt.models.kernels: a packed copy of each weight an inference matmul on CPU reads
+        packed = linear_numel * rollout_width                                    # the engine's decode
+        recompute = (copy or cfg.rollout.recompute_logprobs) and \
+            (_num_mini_batches(cfg) > 1 or not a.on_policy_logprobs or a.ppo_epochs > 1)
+        if not fsdp:  # the trainer's no-graph forwards: old log-probs, the reference model
+            packed += linear_numel * width * (int(recompute) + int(a.use_kl_loss))
+        rows.append(Row("packed weight copies", packed, "model.device (CPU inference kernels)"))
     s = cfg.speculative
     if s.enabled and s.method == "eagle":  # one decoder layer and the fc fusing (embedding, hidden state)
         drafter = layer_numel + 2 * H * H
-        per = 4 * (1 + 1 + ADAM_STATES) if cfg.drafter_train.enabled else kv_width
-        rows.append(("drafter", drafter * per, "speculative.enabled"))
+        per = 4 * (1 + 1 + ADAM_STATES) if cfg.drafter_train.enabled else rollout_width
+        draft_kv = _kv_bytes(cfg, m, prompts_per_rank, capacity + 32, 1)  # its own one-layer cache, with room
+        rows.append(Row("drafter", drafter * per + draft_kv + drafter * rollout_width * (not on_cuda),
+                        "speculative.enabled"))
+        if cfg.drafter_train.enabled:  # hidden states kept from the rollout (bf16), FIFO-capped
+            steps = cfg.trainer.total_steps
+            tokens = min(cfg.drafter_train.buffer_max_tokens, steps * prompts_per_rank * cfg.rollout.n * (R + 1))
+            rows.append(Row("drafter buffer", tokens * H * 2, "drafter_train.buffer_max_tokens"))
     return Plan(rows)
+
+
+def _non_linear_numel(model: Decoder) -> int:
+    """Parameters no matmul reads: norms, and the embedding when the LM head is its own matrix."""
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    return norms + (model.embed_tokens.weight.numel() if model.lm_head is not None else 0)
+
+
+def _num_mini_batches(cfg: Config) -> int:
+    return cfg.data.train_batch_size // (cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size)
 
 
 def _model_config(cfg: Config, architecture: str | None = None) -> ModelConfig:
@@ -154,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"actor.strategy={cfg.actor.strategy}, {world} rank(s), per device:")
     print(plan.table())
     if limit is not None and plan.total > limit:
-        name, size, key = max(plan.rows, key=lambda r: r[1])
+        big = max((r for r in plan.rows if r.where == "device"), key=lambda r: r.bytes)
+        name, size, key = big.name, big.bytes, big.key
         print(f"tlt plan: {plan.total / 2**30:.2f} GiB per device does not fit {limit / 2**30:.2f} GiB; the "
               f"largest part is {name} ({size / 2**30:.2f} GiB): change {key}", file=sys.stderr)
         return 2

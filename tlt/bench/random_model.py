@@ -18,6 +18,8 @@ SHAPES: dict[str, dict] = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5,
                          max_position_embeddings=8192, tie_word_embeddings=True),
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=8192, max_position_embeddings=8192, tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=8192, tie_word_embeddings=True),
 }

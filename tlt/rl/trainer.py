@@ -128,6 +128,8 @@ def gather(obj: Any, info: DistInfo) -> list[Any]:
 
 
 class GRPOTrainer:
+    phase_timer = PhaseTimer  # each step's phase timer: a benchmark may measure more per phase (tlt.bench.memory)
+
     def __init__(self, cfg: Config, drafter_hook: DrafterHook | None = None):
         from tlt.llm import LLM
         from tlt.models.loader import load_model, load_tokenizer
@@ -202,7 +204,7 @@ class GRPOTrainer:
             initial_val = self.validate()
             self.logger.log(0, initial_val, advance=False)
         for step in range(self.start_step + 1, t.total_steps + 1):
-            timer = PhaseTimer()
+            timer = self.phase_timer()
             with timer("step"):
                 self.step_sync = SyncStats()
                 self.drafter_hook.before_rollout(step)
