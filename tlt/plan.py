@@ -139,9 +139,13 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
     rollout_width = 2 if cfg.rollout_dtype() == "bfloat16" else 4
     if cfg.rollout_dtype() != cfg.policy_dtype() or fsdp:  # the engine decodes its own full copy
         rows.append(Row("rollout weights", full_numel * rollout_width, "rollout.dtype"))
-    if fsdp:  # a layer's gathered weights, and the next one's prefetched, in the compute dtype
-        rows.append(Row("fsdp gathered layers", 2 * layer_numel * compute, "actor.strategy",
+    if fsdp:  # a layer's gathered weights, and the next one's prefetched, in FSDP's param dtype (tlt.rl.fsdp)
+        gathered = 2 if a.bf16_autocast and on_cuda else width
+        rows.append(Row("fsdp gathered layers", 2 * layer_numel * gathered, "actor.strategy",
                         phases=forward + update + ("weight_sync",)))
+        # the root unit (embedding, final norm, LM head): FSDP2 keeps it gathered after its forward
+        root_numel = full_numel - m.num_layers * layer_numel
+        rows.append(Row("fsdp gathered root", root_numel * gathered, "actor.strategy"))
     H, inter = m.hidden_size, m.intermediate_size
     qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
     # saved per token and layer for the backward: norm inputs/outputs, q/k/v, attention out, MLP in, gate/up, act
@@ -173,8 +177,9 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
         packed = linear_numel * rollout_width                                    # the engine's decode
         recompute = (copy or cfg.rollout.recompute_logprobs) and \
             (_num_mini_batches(cfg) > 1 or not a.on_policy_logprobs or a.ppo_epochs > 1)
-        if not fsdp:  # the trainer's no-graph forwards: old log-probs, the reference model
-            packed += linear_numel * width * (int(recompute) + int(a.use_kl_loss))
+        # the trainer's no-graph forwards (old log-probs, the reference model) pack full weights: under FSDP the
+        # gathered ones, whose parameter objects outlive each gather
+        packed += linear_numel * width * (int(recompute) + int(a.use_kl_loss))
         rows.append(Row("packed weight copies", packed, "model.device (CPU inference kernels)"))
     s = cfg.speculative
     if s.enabled and s.method == "eagle":  # one decoder layer and the fc fusing (embedding, hidden state)

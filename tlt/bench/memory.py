@@ -67,7 +67,8 @@ def measure(config_path: str | None, overrides: list[str], steps: int, out_dir: 
     overall = max(plan.phase_bytes(name) for name in phases)
     phases["overall"] = {"plan": overall, "measured": peaks.overall, "rss": peaks.overall_rss,
                          "ratio": round(peaks.overall / overall, 4) if overall else None}
-    return {"rank": trainer.dist.rank, "device": str(device), "init": peaks.init, "longest_prompt": longest_prompt, "phases": phases,
+    return {"rank": trainer.dist.rank, "device": str(device), "init": peaks.init,
+            "step_s": [round(t, 3) for t in memory.step_seconds], "longest_prompt": longest_prompt, "phases": phases,
             "plan_rows": [{"component": r.name, "bytes": r.bytes, "phases": sorted(r.phases), "where": r.where}
                           for r in plan.rows],
             "world_size": trainer.dist.world_size, "strategy": trainer.cfg.actor.strategy}

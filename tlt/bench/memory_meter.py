@@ -1,12 +1,17 @@
 """Peak live tensor bytes per phase of an RL step, for `tlt bench memory` (docs/design.md §16).
 
-CUDA: torch.cuda.max_memory_allocated, reset at every phase boundary. CPU: PyTorch's CPU allocator keeps a running
-total of the bytes it has handed out, and reports every allocation and free with that total to the profiler when
-memory profiling is on (torch.profiler's profile_memory). The meter profiles from before the trainer is built, so
-the total counts every tensor the run allocates (weights, optimiser state, KV cache, activations, temporaries
-inside kernels), and reads the peak of each stretch between phase boundaries from the allocation events afterwards.
-Like every thread-local profiler it sees the thread that started it (the trainer's; on CPU autograd runs its
-backward in that thread too), not helper threads such as the online drafter's spot training.
+CUDA: torch.cuda.max_memory_allocated, reset at every phase boundary. CPU: with memory profiling on (torch.profiler's
+profile_memory), PyTorch's CPU allocator reports every allocation and free, with its size and address, to the
+profiler. The meter profiles from before the trainer is built, so the running sum of those sizes counts every
+tensor the run allocates (weights, optimiser state, KV cache, activations, temporaries inside kernels), and it reads
+the peak of each stretch between phase boundaries from the events afterwards. The sum is taken from the events
+themselves, block by address, not from the allocator's own running total that they carry: under FSDP with gloo
+some frees happen where they are not reported, so that total drifts above the live bytes; a block handed out again
+at the address of a live one shows the earlier free, which the address bookkeeping applies.
+Memory profiling follows the thread that started it (the trainer's; on CPU autograd runs its backward there too):
+allocations of helper threads such as the online drafter's spot training are not seen. Tensors the allocator did
+not hand out are not seen either: safetensors weights loaded in their stored dtype are file-backed (load a bf16
+checkpoint into the fp32 policy, as the benchmarks here do, and the weights are allocator copies).
 
 The process's peak resident set (VmHWM, reset per phase by writing 5 to /proc/self/clear_refs) is a second,
 coarser figure: it also counts the Python heap, libraries, the profiler's own buffers and freed memory the
@@ -91,18 +96,28 @@ class CpuMeter:
         from torch._C._profiler import _EventType
         from torch.autograd.profiler import _disable_profiler
         result = _disable_profiler()
-        allocs: list[tuple[int, int]] = []   # (time, total after the event)
-        marks: dict[int, int] = {}            # boundary index -> time
+        events: list[tuple[int, int, int]] = []   # (time, address, bytes: + allocated, - freed)
+        marks: dict[int, int] = {}                 # boundary index -> time
         stack = list(result.experimental_event_tree())
         while stack:
             node = stack.pop()
             if node.tag == _EventType.Allocation:
-                allocs.append((node.start_time_ns, node.extra_fields.total_allocated))
+                events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
             elif node.name.startswith(BOUNDARY):
                 marks[int(node.name[len(BOUNDARY):])] = node.start_time_ns
             stack.extend(node.children)
-        allocs.sort()
-        times = [t for t, _ in allocs]
+        events.sort()
+        times, allocs = [], []       # (time, live bytes after the event)
+        blocks: dict[int, int] = {}  # address -> size of the live blocks
+        live = 0
+        for t, ptr, size in events:
+            # a block handed out again at a live address was freed unseen (another thread): it is gone
+            live -= blocks.pop(ptr, 0)
+            if size > 0:
+                blocks[ptr] = size
+                live += size
+            times.append(t)
+            allocs.append((t, live))
         peaks = []
         for k in range(1, self.count):
             lo, hi = bisect.bisect_left(times, marks[k - 1]), bisect.bisect_left(times, marks[k])
@@ -130,6 +145,7 @@ class PhaseMemory:
         self.open: list[str] = []
         self.segments: list[tuple[str, ...]] = []   # the phases open during each segment
         self.rss: list[int | None] = []
+        self.step_seconds: list[float] = []
         self._rss_ok = False
 
     def start(self) -> None:
@@ -184,3 +200,5 @@ class _MemoryPhaseTimer(PhaseTimer):
     def __call__(self, phase: str) -> Iterator[None]:
         with self.memory.phase(phase), super().__call__(phase):
             yield
+        if phase == "step":
+            self.memory.step_seconds.append(self.seconds["step"])
