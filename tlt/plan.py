@@ -153,25 +153,32 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
     tokens, resp = largest_micro_batch(cfg, max(prompts_per_rank // _num_mini_batches(cfg), 1), P)
     kept = m.num_layers * (H * compute if a.gradient_checkpointing else per_layer) + \
         (per_layer if a.gradient_checkpointing else 0)
-    # fp32 [M, V] tensors per response token at the update's forward peak: log-softmax, and exp, clamp and their
-    # product for the entropy; one chunk at a time with actor.logprob_chunk_tokens
+    # fp32 [M, V] tensors per response token at the update's forward peak: the logits (and their bf16 matmul
+    # output), the log-softmax, and exp, clamp and their product for the entropy metric: 6 measured on CPU (tlt
+    # bench memory); one chunk at a time with actor.logprob_chunk_tokens. Autocast keeps a bf16 copy of every
+    # fp32 weight a matmul reads for the whole forward and backward.
     V = m.vocab_size
     chunk = min(resp, a.logprob_chunk_tokens or resp)
-    rows.append(Row("activations", tokens * kept + 4 * chunk * V * 4 + resp * 8 * (chunk < resp),
+    linear_numel = full_numel - _non_linear_numel(model)
+    weight_cache = linear_numel * 2 if autocast and not (fsdp and on_cuda) else 0
+    rows.append(Row("activations", tokens * kept + 6 * chunk * V * 4 + resp * 8 * (chunk < resp) + weight_cache,
                     "actor.logprob_chunk_tokens, actor.ppo_max_token_len or data.max_response_length "
                     "(or actor.gradient_checkpointing)", phases=update))
-    f_tokens, f_resp = largest_micro_batch(cfg, prompts_per_rank, P)
-    f_chunk = min(f_resp, a.logprob_chunk_tokens or f_resp)
-    # no graph: one layer's transients, then the logits and their log-softmax
-    rows.append(Row("log-prob forward", f_tokens * per_layer + 2 * f_chunk * V * 4, "actor.logprob_chunk_tokens",
-                    phases=forward))
+    # no graph: one layer's transients, then the logits and their log-softmax. The old log-probs are recomputed
+    # for the rows after the first mini-batch (its own come from the update: actor.on_policy_logprobs)
+    first = prompts_per_rank // _num_mini_batches(cfg) if a.on_policy_logprobs else 0
+    for phase, groups in (("old_log_prob", prompts_per_rank - first), ("ref_log_prob", prompts_per_rank))[
+            :1 + a.use_kl_loss]:
+        f_tokens, f_resp = largest_micro_batch(cfg, max(groups, 1), P)
+        f_chunk = min(f_resp, a.logprob_chunk_tokens or f_resp)
+        rows.append(Row(f"{phase.split('_')[0]} log-prob forward", f_tokens * per_layer + 2 * f_chunk * V * 4,
+                        "actor.logprob_chunk_tokens", phases=(phase,)))
     capacity = -(-(P + R) // 32) * 32
     kv = _kv_bytes(cfg, m, prompts_per_rank, capacity, m.num_layers)
     rows.append(Row("kv cache", kv, "rollout.max_num_seqs"))
     # growing the cache copies it: the last growth holds the old cache (32 positions shorter) beside the new
     rows.append(Row("kv cache growth", kv * (capacity - 32) // capacity, "rollout.max_num_seqs",
                     phases=("rollout",)))
-    linear_numel = full_numel - _non_linear_numel(model)
     copy = cfg.rollout_dtype() != cfg.policy_dtype() or fsdp
     if not on_cuda:  # tlt.models.kernels: a packed copy of each weight an inference matmul on CPU reads
         packed = linear_numel * rollout_width                                    # the engine's decode
@@ -189,6 +196,10 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
         rows.append(Row("drafter", drafter * per + draft_kv + drafter * rollout_width * (not on_cuda),
                         "speculative.enabled"))
         if cfg.drafter_train.enabled:  # hidden states kept from the rollout (bf16), FIFO-capped
+            # a training batch's loss (tlt.drafter_train.trainer): the target's logits and softmax, the drafter's
+            # logits, their log-softmax and the soft cross-entropy's product, fp32 [N, V] each, and a gradient
+            rows.append(Row("drafter training", cfg.drafter_train.batch_tokens * (6 * V * 4 + per_layer),
+                            "drafter_train.batch_tokens", phases=("drafter",)))
             steps = cfg.trainer.total_steps
             tokens = min(cfg.drafter_train.buffer_max_tokens, steps * prompts_per_rank * cfg.rollout.n * (R + 1))
             rows.append(Row("drafter buffer", tokens * H * 2, "drafter_train.buffer_max_tokens"))
@@ -254,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"actor.strategy={cfg.actor.strategy}, {world} rank(s), per device:")
     print(plan.table())
     if limit is not None and plan.total > limit:
-        big = max((r for r in plan.rows if r.where == "device"), key=lambda r: r.bytes)
+        peak = max(ALL_PHASES, key=plan.phase_bytes)
+        big = max((r for r in plan.rows if r.where == "device" and peak in r.phases), key=lambda r: r.bytes)
         name, size, key = big.name, big.bytes, big.key
         print(f"tlt plan: {plan.total / 2**30:.2f} GiB per device does not fit {limit / 2**30:.2f} GiB; the "
               f"largest part is {name} ({size / 2**30:.2f} GiB): change {key}", file=sys.stderr)
