@@ -2,10 +2,12 @@
 
     tlt plan [CONFIG.yaml] [key=value ...] [--world-size N] [--device-memory 80GiB] [--model-config DIR]
 
-Prints the bytes one device holds for the actor strategy (actor.strategy) at N ranks: parameters, gradients and
-AdamW state (exact: counted from the model's shapes, FSDP2's dim-0 shards padded as fully_shard pads them), the
-reference model, activations of one micro-batch and FSDP's gathered layers (estimates), the rollout KV cache and
-the drafter. Exits 2, naming the key to change, when the total exceeds --device-memory (default: the CUDA
+Prints the bytes one device holds for the actor strategy (actor.strategy) at N ranks, per component and the phases
+of the RL step it is live in (docs/design.md §16): parameters, gradients and AdamW state (exact: counted from the
+model's shapes, FSDP2's dim-0 shards padded as fully_shard pads them), the reference model, the engine's weight
+copy, the largest micro-batch's activations and logits, FSDP's gathered layers, the rollout KV cache, CPU packed
+weights and the drafter (estimates; `tlt bench memory` measures them). The peak is the largest phase. Exits 2,
+naming the key to change, when the peak exceeds --device-memory (default: the CUDA
 device's memory when there is one; no check otherwise). --model-config plans from an architecture alone (a directory
 with an HF config.json, e.g. configs/models/qwen2.5-32b-instruct) instead of model.path; --world-size defaults to
 WORLD_SIZE, else to the trainer ranks of trainer.placement (placement=none: trainer.nnodes x n_gpus_per_node).
