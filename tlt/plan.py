@@ -77,8 +77,10 @@ class Plan:
         lines = [f"{'component':<22}{'MiB':>12}  key to change"]
         lines += [f"{r.name:<22}{r.bytes / 2**20:>12.2f}  {r.key}" + ("  (host memory)" if r.where == "host" else "")
                   for r in self.rows]
-        lines += [f"{'peak (' + p + ')':<22}{self.phase_bytes(p) / 2**20:>12.2f}" for p in ALL_PHASES
-                  if self.phase_bytes(p) == self.total][:1]
+        peak = max(ALL_PHASES, key=self.phase_bytes)
+        lines.append(f"{'total':<22}{self.total / 2**20:>12.2f}")
+        lines.append(f"(the peak phase, {peak}; every phase: " +
+                     ", ".join(f"{p} {self.phase_bytes(p) / 2**20:.2f}" for p in ALL_PHASES) + ")")
         return "\n".join(lines)
 
 
@@ -204,7 +206,8 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
                             "drafter_train.batch_tokens", phases=("drafter",)))
             steps = cfg.trainer.total_steps
             tokens = min(cfg.drafter_train.buffer_max_tokens, steps * prompts_per_rank * cfg.rollout.n * (R + 1))
-            rows.append(Row("drafter buffer", tokens * H * 2, "drafter_train.buffer_max_tokens"))
+            rows.append(Row("drafter buffer", tokens * H * 2, "drafter_train.buffer_max_tokens",
+                            where="host" if on_cuda else "device"))  # kept on the host (tlt.drafter_train.buffer)
     return Plan(rows)
 
 
