@@ -22,25 +22,38 @@ RUN = ["speculative.enabled=false", "actor.use_kl_loss=false", "reward.num_worke
        "rollout.n=4", "actor.ppo_mini_batch_size=1", "data.max_response_length=32"]
 
 
-def test_cpu_meter_counts_live_bytes_per_phase():
-    mem = PhaseMemory(torch.device("cpu"))
+def _phase_peaks(device: str):
+    mem = PhaseMemory(torch.device(device))
     mem.start()
     timer = mem.timer()
     with timer("step"):
         with timer("a"):
-            kept = torch.empty(3 * MiB, dtype=torch.uint8)
-            brief = torch.empty(2 * MiB, dtype=torch.uint8)
+            kept = torch.empty(3 * MiB, dtype=torch.uint8, device=device)
+            brief = torch.empty(2 * MiB, dtype=torch.uint8, device=device)
             del brief
         with timer("b"):
-            other = torch.empty(1 * MiB, dtype=torch.uint8)
+            other = torch.empty(1 * MiB, dtype=torch.uint8, device=device)
             del other
     peaks = mem.finish()
+    del kept
+    assert timer.seconds["a"] > 0 and mem.step_seconds
+    return peaks
+
+
+def test_cpu_meter_counts_live_bytes_per_phase():
+    peaks = _phase_peaks("cpu")
     # phase a peaked at 5 MiB (3 kept + 2 brief); b starts from the 3 MiB still live and adds 1
     assert 5 * MiB <= peaks.tensor["a"] < 5 * MiB + 64 * 1024
     assert 4 * MiB <= peaks.tensor["b"] < 4 * MiB + 64 * 1024
     assert peaks.overall == peaks.tensor["a"]
-    assert timer.seconds["a"] > 0 and mem.step_seconds
-    del kept
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA meter needs a CUDA device")
+def test_cuda_meter_counts_live_bytes_per_phase():
+    base = torch.cuda.memory_allocated()
+    peaks = _phase_peaks("cuda")
+    assert 5 * MiB <= peaks.tensor["a"] - base < 5 * MiB + 64 * 1024
+    assert 4 * MiB <= peaks.tensor["b"] - base < 4 * MiB + 64 * 1024
 
 
 def test_cpu_meter_sees_only_its_own_thread():

@@ -146,10 +146,14 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
     if fsdp:  # a layer's gathered weights, and the next one's prefetched, in FSDP's param dtype (tlt.rl.fsdp)
         gathered = 2 if a.bf16_autocast and on_cuda else width
         rows.append(Row("fsdp gathered layers", 2 * layer_numel * gathered, "actor.strategy",
-                        phases=forward + update + ("weight_sync",)))
+                        phases=forward + update))
         # the root unit (embedding, final norm, LM head): FSDP2 keeps it gathered after its forward
         root_numel = full_numel - m.num_layers * layer_numel
         rows.append(Row("fsdp gathered root", root_numel * gathered, "actor.strategy"))
+        # the engine's refresh gathers one unit at a time (tlt.rl.weight_sync): the full tensors and the
+        # all-gather's buffer, for the largest unit
+        rows.append(Row("weight sync gather", 2 * max(layer_numel, root_numel) * width, "actor.strategy",
+                        phases=("weight_sync",)))
     H, inter = m.hidden_size, m.intermediate_size
     qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
     # saved per token and layer for the backward: norm inputs/outputs, q/k/v, attention out, MLP in, gate/up, act
