@@ -17,6 +17,10 @@
 # Files in RESULTS_DIR: env.txt; <name>.log (stdout+stderr), <name>.rc (exit status; 124 = timed out) and
 # <name>.json (the benchmark's final JSON line) for each of tests, model, drafter, decode, spec, rollout, e2e;
 # e2e/ (run directories with metrics.jsonl and the curves); summary.json and summary.txt.
+#
+# Not a stage here (minutes per model size): the largest random Qwen2-shaped model (0.5B/1.5B/3B/7B) that completes
+# a GRPO step with FSDP and CPU offload on one GPU, with its step time and peak memory beside `tlt plan`'s:
+#   SIZES=7b bash scripts/gpu_max_model.sh [RESULTS_DIR]      # results in RESULTS_DIR/max_model/
 set -u
 cd "$(dirname "$0")/.."
 

@@ -59,10 +59,11 @@ def test_plan_fails_early_naming_the_key(capsys, tiny_llama_dir):
     args = [f"model.path={tiny_llama_dir}", "--device-memory", "64GiB"]
     assert main(args) == 0
     assert "parameters" in capsys.readouterr().out
-    assert main(args[:1] + ["--device-memory", "1MiB"]) == 2
+    assert main(args[:1] + ["speculative.enabled=false", "--device-memory", "1MiB"]) == 2
     assert "actor.ppo_max_token_len" in capsys.readouterr().err
-    # the biggest part names its key: a huge KV cache names rollout.max_num_seqs
-    assert main(args[:1] + ["rollout.max_num_seqs=100000", "--device-memory", "1GiB"]) == 2
+    # the biggest part names its key: a huge KV cache (many sequences running at once) names rollout.max_num_seqs
+    assert main(args[:1] + ["rollout.max_num_seqs=100000", "data.train_batch_size=100000", "--device-memory",
+                            "1GiB"]) == 2
     assert "rollout.max_num_seqs" in capsys.readouterr().err
     assert main(args[:1] + ["--device-memory", "lots"]) == 2
     assert "80GiB" in capsys.readouterr().err

@@ -1,6 +1,7 @@
-"""The paper-scale recipes (configs/qwen7b_8gpu.yaml, configs/qwen32b_32gpu.yaml) fit 80 GB GPUs by `tlt plan`,
-planned from the shipped architecture descriptions (configs/models/*/config.json) without any weights; controls:
-the 32B recipe on 8 GPUs without FSDP, and the 7B one at 32k-token responses, do not fit and name the key."""
+"""The paper-scale recipes, planned by `tlt plan` from the shipped architecture descriptions (configs/models/*/
+config.json) without any weights: configs/qwen7b_8gpu.yaml fits 80 GB GPUs; configs/qwen32b_32gpu.yaml does not
+(every rank's engine holds a full bf16 copy of the 32B model) and the plan names the engine's copy; controls: the
+32B recipe on 8 GPUs without FSDP, and the 7B one at 32k-token responses, do not fit and name the key."""
 from __future__ import annotations
 
 import re
@@ -33,7 +34,13 @@ def test_architecture_descriptions_have_the_published_size(arch, params):
     assert sum(p.numel() for p in model.parameters()) == params
 
 
-@pytest.mark.parametrize("recipe, arch, ranks", RECIPES)
+def test_32b_recipe_does_not_fit_colocated(capsys):
+    rc, out, err = plan(capsys, "qwen32b_32gpu.yaml", "qwen2.5-32b-instruct")
+    assert rc == 2 and "largest part is rollout weights" in err and "change rollout.dtype" in err
+    assert "actor.strategy=fsdp, 32 rank(s)" in out
+
+
+@pytest.mark.parametrize("recipe, arch, ranks", RECIPES[:1])
 def test_recipe_fits_80gb_per_device(capsys, recipe, arch, ranks):
     rc, out, err = plan(capsys, recipe, arch)
     assert rc == 0, err

@@ -2,10 +2,12 @@
 
     tlt plan [CONFIG.yaml] [key=value ...] [--world-size N] [--device-memory 80GiB] [--model-config DIR]
 
-Prints the bytes one device holds for the actor strategy (actor.strategy) at N ranks: parameters, gradients and
-AdamW state (exact: counted from the model's shapes, FSDP2's dim-0 shards padded as fully_shard pads them), the
-reference model, activations of one micro-batch and FSDP's gathered layers (estimates), the rollout KV cache and
-the drafter. Exits 2, naming the key to change, when the total exceeds --device-memory (default: the CUDA
+Prints the bytes one device holds for the actor strategy (actor.strategy) at N ranks, per component and the phases
+of the RL step it is live in (docs/design.md §16): parameters, gradients and AdamW state (exact: counted from the
+model's shapes, FSDP2's dim-0 shards padded as fully_shard pads them), the reference model, the engine's weight
+copy, the largest micro-batch's activations and logits, FSDP's gathered layers, the rollout KV cache, CPU packed
+weights and the drafter (estimates; `tlt bench memory` measures them). The peak is the largest phase. Exits 2,
+naming the key to change, when the peak exceeds --device-memory (default: the CUDA
 device's memory when there is one; no check otherwise). --model-config plans from an architecture alone (a directory
 with an HF config.json, e.g. configs/models/qwen2.5-32b-instruct) instead of model.path; --world-size defaults to
 WORLD_SIZE, else to the trainer ranks of trainer.placement (placement=none: trainer.nnodes x n_gpus_per_node).
@@ -43,66 +45,184 @@ def local_numel(shape: torch.Size, world: int) -> int:
     return rows * math.prod(shape[1:])
 
 
+ALL_PHASES = ("rollout", "old_log_prob", "ref_log_prob", "update", "weight_sync", "drafter")
+FORWARD_PHASES = ("old_log_prob", "ref_log_prob")
+
+
+@dataclass
+class Row:
+    name: str
+    bytes: int
+    key: str                                  # the config key that changes it
+    phases: tuple[str, ...] = ALL_PHASES      # the RL step's phases during which it is live
+    where: str = "device"                     # "host": offloaded (actor.fsdp_offload), not on the device
+
+
 @dataclass
 class Plan:
-    rows: list[tuple[str, int, str]]   # (component, bytes on one device, the key that changes it)
+    rows: list[Row]
 
     @property
     def total(self) -> int:
-        return sum(b for _, b, _ in self.rows)
+        """The device's peak: the largest phase (what must fit)."""
+        return max(self.phase_bytes(p) for p in ALL_PHASES)
+
+    def phase_bytes(self, phase: str) -> int:
+        return sum(r.bytes for r in self.rows if phase in r.phases and r.where == "device")
 
     def bytes(self, name: str) -> int:
-        return next(b for n, b, _ in self.rows if n == name)
+        return next(r.bytes for r in self.rows if r.name == name)
 
     def table(self) -> str:
         lines = [f"{'component':<22}{'MiB':>12}  key to change"]
-        lines += [f"{n:<22}{b / 2**20:>12.2f}  {k}" for n, b, k in self.rows]
+        lines += [f"{r.name:<22}{r.bytes / 2**20:>12.2f}  {r.key}" + ("  (host memory)" if r.where == "host" else "")
+                  for r in self.rows]
+        peak = max(ALL_PHASES, key=self.phase_bytes)
         lines.append(f"{'total':<22}{self.total / 2**20:>12.2f}")
+        lines.append(f"(the peak phase, {peak}; every phase: " +
+                     ", ".join(f"{p} {self.phase_bytes(p) / 2**20:.2f}" for p in ALL_PHASES) + ")")
         return "\n".join(lines)
 
 
-def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int) -> Plan:
-    a = cfg.actor
+def _kv_bytes(cfg: Config, m: ModelConfig, prompts_per_rank: int, capacity: int, layers: int) -> int:
+    """The engine's slot KV cache at its largest (tlt.engine.kv_cache): slots rounded up to 8 for the sequences
+    running at once, capacity rounded up to 32 positions."""
+    running = min(cfg.rollout.max_num_seqs, prompts_per_rank * cfg.rollout.n)
+    slots = min(-(-running // 8) * 8, cfg.rollout.max_num_seqs)
+    width = 2 if cfg.rollout_dtype() == "bfloat16" else 4
+    return slots * capacity * layers * 2 * m.num_kv_heads * m.head_dim * width
+
+
+def largest_micro_batch(cfg: Config, groups: int, prompt_len: int) -> tuple[int, int]:
+    """(padded tokens, response tokens) of the largest micro-batch of `groups` prompt groups whose prompts and
+    responses are all at their longest: the actor's own packing (actor.share_prompt) and split
+    (actor.ppo_max_token_len)."""
+    from tlt.rl.actor import _pack_cost, micro_batches
+    n, R, a = cfg.rollout.n, cfg.data.max_response_length, cfg.actor
+    if a.share_prompt:  # share_prompts' choice for equal lengths: m packs minimising the cost
+        m = min(range(1, n + 1), key=lambda k: sum(_pack_cost(prompt_len + len(range(j, n, k)) * R) for j in range(k)))
+        sizes = [len(range(j, n, m)) for j in range(m)] * groups
+    else:
+        sizes = [1] * (n * groups)
+    lens = [prompt_len + k * R for k in sizes]
+    best = (0, 0)
+    for chunk in micro_batches(lens, a.ppo_max_token_len):
+        padded = len(chunk) * max(lens[c] for c in chunk)
+        best = max(best, (padded, sum(sizes[c] for c in chunk) * R))
+    return best
+
+
+def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_rank: int | None = None,
+                prompt_len: int | None = None) -> Plan:
+    """Bytes one device holds, per component and RL-step phase (docs/design.md §16). prompts_per_rank defaults to
+    data.train_batch_size / world; prompt_len (the longest prompt) to data.max_prompt_length."""
+    from tlt.device import cpu_has_fast_bf16
+    a, m = cfg.actor, model_cfg
     fsdp = a.strategy == "fsdp"
+    prompts_per_rank = prompts_per_rank or max(cfg.data.train_batch_size // world, 1)
+    P = prompt_len or cfg.data.max_prompt_length
+    R = cfg.data.max_response_length
     with torch.device("meta"):
-        shapes = [p.shape for p in Decoder(model_cfg).parameters()]
-        layer_numel = sum(p.numel() for p in Decoder(model_cfg).layers[0].parameters())
+        model = Decoder(model_cfg)
+        shapes = [p.shape for p in model.parameters()]
+        layer_numel = sum(p.numel() for p in model.layers[0].parameters())
+        full_numel = sum(p.numel() for p in model.parameters())
     numel = sum(local_numel(s, world) if fsdp else math.prod(s) for s in shapes)
     width = 2 if cfg.policy_dtype() == "bfloat16" else 4
-    compute = 2 if a.bf16_autocast and cfg.model.device != "cpu" else width
+    on_cuda = cfg.model.device.startswith("cuda") or (cfg.model.device == "auto" and torch.cuda.is_available())
+    autocast = a.bf16_autocast and width == 4 and (on_cuda or cpu_has_fast_bf16())
+    compute = 2 if autocast else width
     shard_key = "actor.strategy=fsdp" if not fsdp else "more ranks (--world-size)"
-    rows = [("parameters", numel * width, shard_key), ("gradients", numel * width, shard_key),
-            ("optimizer", ADAM_STATES * numel * width, shard_key)]
+    where = "host" if fsdp and a.fsdp_offload else "device"
+    update, forward = ("update",), FORWARD_PHASES
+    rows = [Row("parameters", numel * width, shard_key, where=where),
+            Row("gradients", numel * width, shard_key, where=where),
+            Row("optimizer", ADAM_STATES * numel * width, shard_key, where=where)]
     if a.use_kl_loss:
-        rows.append(("reference model", numel * width, "actor.use_kl_loss"))
-    if fsdp:  # a layer's gathered weights, and the next one's prefetched, in the compute dtype
-        rows.append(("fsdp gathered layers", 2 * layer_numel * compute, "actor.strategy"))
-    m = model_cfg
-    # a micro-batch holds at least one whole row, so the longest prompt + response bounds it from below
-    T = max(a.ppo_max_token_len, cfg.data.max_prompt_length + cfg.data.max_response_length)
+        rows.append(Row("reference model", numel * width, "actor.use_kl_loss", where=where))
+    rollout_width = 2 if cfg.rollout_dtype() == "bfloat16" else 4
+    if cfg.rollout_dtype() != cfg.policy_dtype() or fsdp:  # the engine decodes its own full copy
+        rows.append(Row("rollout weights", full_numel * rollout_width, "rollout.dtype"))
+    if fsdp:  # a layer's gathered weights, and the next one's prefetched, in FSDP's param dtype (tlt.rl.fsdp)
+        gathered = 2 if a.bf16_autocast and on_cuda else width
+        rows.append(Row("fsdp gathered layers", 2 * layer_numel * gathered, "actor.strategy",
+                        phases=forward + update))
+        # the root unit (embedding, final norm, LM head): FSDP2 keeps it gathered after its forward
+        root_numel = full_numel - m.num_layers * layer_numel
+        rows.append(Row("fsdp gathered root", root_numel * gathered, "actor.strategy"))
+        # the engine's refresh gathers one unit at a time (tlt.rl.weight_sync): the full tensors and the
+        # all-gather's buffer, for the largest unit
+        rows.append(Row("weight sync gather", 2 * max(layer_numel, root_numel) * width, "actor.strategy",
+                        phases=("weight_sync",)))
     H, inter = m.hidden_size, m.intermediate_size
     qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
     # saved per token and layer for the backward: norm inputs/outputs, q/k/v, attention out, MLP in, gate/up, act
     per_layer = (4 * H + 2 * qkv + 3 * inter) * compute
+    tokens, resp = largest_micro_batch(cfg, max(prompts_per_rank // _num_mini_batches(cfg), 1), P)
     kept = m.num_layers * (H * compute if a.gradient_checkpointing else per_layer) + \
         (per_layer if a.gradient_checkpointing else 0)
-    # fp32 logits, log-softmax and its gradient per response token: for one chunk at a time with
-    # actor.logprob_chunk_tokens (plus a log-prob and its gradient per token)
-    vocab = 3 * m.vocab_size * 4
-    chunk = min(T, a.logprob_chunk_tokens or T)
-    rows.append(("activations", T * kept + chunk * vocab + T * 8 * (chunk < T),
-                 "actor.logprob_chunk_tokens, actor.ppo_max_token_len or data.max_response_length "
-                 "(or actor.gradient_checkpointing)"))
-    kv_width = 2 if cfg.rollout_dtype() == "bfloat16" else 4
-    max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    kv = cfg.rollout.max_num_seqs * max_len * m.num_layers * 2 * m.num_kv_heads * m.head_dim * kv_width
-    rows.append(("kv cache", kv, "rollout.max_num_seqs"))
+    # fp32 [M, V] tensors per response token at the update's forward peak: the logits (and their bf16 matmul
+    # output), the log-softmax, and exp, clamp and their product for the entropy metric: 6 measured on CPU (tlt
+    # bench memory); one chunk at a time with actor.logprob_chunk_tokens. Autocast keeps a bf16 copy of every
+    # fp32 weight a matmul reads for the whole forward and backward.
+    V = m.vocab_size
+    chunk = min(resp, a.logprob_chunk_tokens or resp)
+    linear_numel = full_numel - _non_linear_numel(model)
+    weight_cache = linear_numel * 2 if autocast and not (fsdp and on_cuda) else 0
+    rows.append(Row("activations", tokens * kept + 6 * chunk * V * 4 + resp * 8 * (chunk < resp) + weight_cache,
+                    "actor.logprob_chunk_tokens, actor.ppo_max_token_len or data.max_response_length "
+                    "(or actor.gradient_checkpointing)", phases=update))
+    # no graph: one layer's transients, then the logits and their log-softmax. The old log-probs are recomputed
+    # for the rows after the first mini-batch (its own come from the update: actor.on_policy_logprobs)
+    first = prompts_per_rank // _num_mini_batches(cfg) if a.on_policy_logprobs else 0
+    for phase, groups in (("old_log_prob", prompts_per_rank - first), ("ref_log_prob", prompts_per_rank))[
+            :1 + a.use_kl_loss]:
+        f_tokens, f_resp = largest_micro_batch(cfg, max(groups, 1), P)
+        f_chunk = min(f_resp, a.logprob_chunk_tokens or f_resp)
+        rows.append(Row(f"{phase.split('_')[0]} log-prob forward", f_tokens * per_layer + 2 * f_chunk * V * 4,
+                        "actor.logprob_chunk_tokens", phases=(phase,)))
+    capacity = -(-(P + R) // 32) * 32
+    kv = _kv_bytes(cfg, m, prompts_per_rank, capacity, m.num_layers)
+    rows.append(Row("kv cache", kv, "rollout.max_num_seqs"))
+    # growing the cache copies it: the last growth holds the old cache (32 positions shorter) beside the new
+    rows.append(Row("kv cache growth", kv * (capacity - 32) // capacity, "rollout.max_num_seqs",
+                    phases=("rollout",)))
+    copy = cfg.rollout_dtype() != cfg.policy_dtype() or fsdp
+    if not on_cuda:  # tlt.models.kernels: a packed copy of each weight an inference matmul on CPU reads
+        packed = linear_numel * rollout_width                                    # the engine's decode
+        recompute = (copy or cfg.rollout.recompute_logprobs) and \
+            (_num_mini_batches(cfg) > 1 or not a.on_policy_logprobs or a.ppo_epochs > 1)
+        # the trainer's no-graph forwards (old log-probs, the reference model) pack full weights: under FSDP the
+        # gathered ones, whose parameter objects outlive each gather
+        packed += linear_numel * width * (int(recompute) + int(a.use_kl_loss))
+        rows.append(Row("packed weight copies", packed, "model.device (CPU inference kernels)"))
     s = cfg.speculative
     if s.enabled and s.method == "eagle":  # one decoder layer and the fc fusing (embedding, hidden state)
         drafter = layer_numel + 2 * H * H
-        per = 4 * (1 + 1 + ADAM_STATES) if cfg.drafter_train.enabled else kv_width
-        rows.append(("drafter", drafter * per, "speculative.enabled"))
+        per = 4 * (1 + 1 + ADAM_STATES) if cfg.drafter_train.enabled else rollout_width
+        draft_kv = _kv_bytes(cfg, m, prompts_per_rank, capacity + 32, 1)  # its own one-layer cache, with room
+        rows.append(Row("drafter", drafter * per + draft_kv + drafter * rollout_width * (not on_cuda),
+                        "speculative.enabled"))
+        if cfg.drafter_train.enabled:  # hidden states kept from the rollout (bf16), FIFO-capped
+            # a training batch's loss (tlt.drafter_train.trainer): the target's logits and softmax, the drafter's
+            # logits, their log-softmax and the soft cross-entropy's product, fp32 [N, V] each, and a gradient
+            rows.append(Row("drafter training", cfg.drafter_train.batch_tokens * (6 * V * 4 + per_layer),
+                            "drafter_train.batch_tokens", phases=("drafter",)))
+            steps = cfg.trainer.total_steps
+            tokens = min(cfg.drafter_train.buffer_max_tokens, steps * prompts_per_rank * cfg.rollout.n * (R + 1))
+            rows.append(Row("drafter buffer", tokens * H * 2, "drafter_train.buffer_max_tokens",
+                            where="host" if on_cuda else "device"))  # kept on the host (tlt.drafter_train.buffer)
     return Plan(rows)
+
+
+def _non_linear_numel(model: Decoder) -> int:
+    """Parameters no matmul reads: norms, and the embedding when the LM head is its own matrix."""
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    return norms + (model.embed_tokens.weight.numel() if model.lm_head is not None else 0)
+
+
+def _num_mini_batches(cfg: Config) -> int:
+    return cfg.data.train_batch_size // (cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size)
 
 
 def _model_config(cfg: Config, architecture: str | None = None) -> ModelConfig:
@@ -154,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"actor.strategy={cfg.actor.strategy}, {world} rank(s), per device:")
     print(plan.table())
     if limit is not None and plan.total > limit:
-        name, size, key = max(plan.rows, key=lambda r: r[1])
+        peak = max(ALL_PHASES, key=plan.phase_bytes)
+        big = max((r for r in plan.rows if r.where == "device" and peak in r.phases), key=lambda r: r.bytes)
+        name, size, key = big.name, big.bytes, big.key
         print(f"tlt plan: {plan.total / 2**30:.2f} GiB per device does not fit {limit / 2**30:.2f} GiB; the "
               f"largest part is {name} ({size / 2**30:.2f} GiB): change {key}", file=sys.stderr)
         return 2

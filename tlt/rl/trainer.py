@@ -77,6 +77,8 @@ __all__ = ["GRPOTrainer", "DistInfo", "check_launch", "prepare_config", "spot_tr
 
 
 class GRPOTrainer:
+    phase_timer = PhaseTimer  # each step's phase timer: a benchmark may measure more per phase (tlt.bench.memory)
+
     def __init__(self, cfg: Config, drafter_hook: DrafterHook | None = None, placed: bool = False):
         """placed: this process is a trainer rank that trainer.placement launched (tlt.workers.trainer_group)."""
         from tlt.llm import LLM
@@ -140,7 +142,7 @@ class GRPOTrainer:
             initial_val = self.validate()
             self.logger.log(0, initial_val, advance=False)
         for step in range(self.start_step + 1, t.total_steps + 1):
-            timer = PhaseTimer()
+            timer = self.phase_timer()
             with timer("step"):
                 self.step_sync = SyncStats()
                 self.drafter_hook.before_rollout(step)
