@@ -139,26 +139,48 @@ def test_bandit_skips_steps_that_captured_a_graph(tiny_llama_dir, cpu_drafter, m
     assert all(("update" in s) != c for s, c in zip(steps, captured))
 
 
-def test_padded_kv_moves_equal_the_cache_moves(tiny_llama_dir):
+class _ReplayingGraph:
+    """CUDA's semantics on the CPU: capture records `run`, every replay runs it again."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def replay(self):
+        self.run()
+
+
+def _cuda_like_capture(pool, run):  # GraphPool.capture as on CUDA: the warm-up runs it, the capture only records
+    run()
+    pool.num_captured += 1
+    return _ReplayingGraph(run), ()
+
+
+def test_padded_kv_moves_equal_the_cache_moves(tiny_llama_dir, monkeypatch):
     """SD's commit through GraphSet: 5 moves padded to 8 with copies of the first leave the cache as
-    KVCache.move_positions does; one more move (the control) shows the comparison sees a difference."""
+    KVCache.move_positions does, run eagerly and through a capture with CUDA's semantics (the warm-up runs it, so
+    the capturing step must not replay it: 12 -> 11 then 15 -> 12, a tree path [0, 2, 5], would move node 5's K/V
+    to 11 on a second run); one more move (the control) shows the comparison sees a difference."""
     llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=4)
     kv = llm.engine.kv
-    rows, src, dst = [0, 0, 1, 3, 3], [10, 12, 7, 20, 21], [8, 9, 5, 17, 18]
+    rows, src, dst = [0, 0, 1, 3, 3], [12, 15, 7, 20, 21], [11, 12, 5, 17, 18]
     results = []
-    for how in ("cache", "graph", "extra move"):
+    for how in ("cache", "graph", "captured", "extra move"):
         kv.release()
-        kv.ensure_capacity(32, 4)
+        kv.ensure_capacity(256, 4)  # a multiple of the rounding graphs set, so every run fills the same cache
         g = torch.Generator().manual_seed(0)
         for t in kv.k + kv.v:
             t.copy_(torch.randn(t.shape, generator=g))
         if how == "cache":
             kv.move_positions(rows, src, dst)
         else:
-            graphs = GraphedForward(llm.engine.model, kv, capture=False)
+            if how == "captured":
+                monkeypatch.setattr(GraphPool, "capture", _cuda_like_capture)
+            graphs = GraphedForward(llm.engine.model, kv, capture=how == "captured")
             extra = ([0], [30], [31]) if how == "extra move" else ([], [], [])
             graphs.move_positions(rows + extra[0], src + extra[1], dst + extra[2])
             assert [M for M, _ in graphs.moves.graphs] == [8]
+            monkeypatch.undo()
         results.append([t.clone() for t in kv.k + kv.v])
     assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
-    assert not all(torch.equal(a, b) for a, b in zip(results[0], results[2]))
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[2]))
+    assert not all(torch.equal(a, b) for a, b in zip(results[0], results[3]))

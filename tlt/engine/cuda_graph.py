@@ -94,6 +94,9 @@ class GraphedForward:
         """KVCache.move_positions through a graph. The moves are padded to a bucket with copies of the first, which
         write the very value it writes to the same place."""
         kv = self.kv
+        if len(rows) > BUCKETS[-1]:  # beyond the buckets every count would be a capture of its own
+            kv.move_positions(rows, src, dst)
+            return
         if (kv.k[0].data_ptr(), kv.capacity) != self.moves_key:
             self.moves.graphs.clear()
             self.moves_key = (kv.k[0].data_ptr(), kv.capacity)
@@ -106,7 +109,8 @@ class GraphedForward:
             for t in kv.k + kv.v:
                 t[r, :, d] = t[r, :, s]
             return ()
-        self.moves.replay(("moves",), M, {"moves": moves}, lambda x, B: None, run)
+        # a move may read what another writes (path [0, 2, 5]: 2 -> 1 and 5 -> 2), so running it twice is wrong
+        self.moves.replay(("moves",), M, {"moves": moves}, lambda x, B: None, run, idempotent=False)
 
     def serves(self, B: int, T: int) -> bool:
         return T <= MAX_TOKENS and B <= self.kv.num_slots
@@ -191,9 +195,10 @@ class GraphSet:
 
     def replay(self, shape: tuple, B: int, values: dict[str, torch.Tensor],
                pad: Callable[[dict[str, torch.Tensor], int], None],
-               run: Callable[[dict[str, torch.Tensor]], tuple]) -> tuple:
+               run: Callable[[dict[str, torch.Tensor]], tuple], idempotent: bool = True) -> tuple:
         """values: each input's B rows; pad(inputs, B) fills rows B..; run(inputs) -> output tensors (or None) over
-        the bucket's rows -> the outputs' first B rows (copies)."""
+        the bucket's rows -> the outputs' first B rows (copies). A run that is not idempotent (it reads what it
+        writes) must have no outputs: the step that captures it is done by the capture's warm-up, not replayed."""
         Bp = self.bucket(B)
         g = self.graphs.get((Bp, shape))
         new = g is None
@@ -207,6 +212,9 @@ class GraphSet:
         if new and self.capture:
             g.graph, g.out = self.pool.capture(lambda: run(g.inputs))
             self.num_captured += 1
+            if not idempotent:  # the warm-up has applied it once; a replay would apply it again
+                assert not g.out, "a run that is not idempotent cannot return outputs"
+                return ()
         if g.graph is not None:
             g.graph.replay()
         else:
