@@ -55,6 +55,8 @@ def init_distributed(device_type: str = "cpu", single_rank: bool = False) -> Dis
     world = int(os.environ.get("WORLD_SIZE", "1"))
     launched = world > 1 or (single_rank and "MASTER_ADDR" in os.environ and "RANK" in os.environ)
     if launched and not dist.is_initialized():
+        if device_type == "cuda":  # NCCL's object collectives run on the current device: this rank's GPU
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     if not dist.is_initialized():
         return DistInfo()

@@ -9,7 +9,8 @@ bundle (`trainer_options`), waits, and removes the group at the end or on a fail
 environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) and the launcher's working directory, then
 runs the given function, which joins the process group itself (gloo on CPU, NCCL on CUDA) as under torchrun. As in
 verl and OpenRLHF, rank 0's actor names the rendezvous: its node's address and a port free there. Ray points each
-actor's CUDA_VISIBLE_DEVICES at its bundle's GPU, so that GPU is cuda:0 in the actor and LOCAL_RANK is 0.
+actor's CUDA_VISIBLE_DEVICES at its bundle's GPU, so that GPU is cuda:0 in the actor and LOCAL_RANK is 0; with
+RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES set, the actor sees every GPU and LOCAL_RANK is its bundle's GPU id.
 
 The function is passed in (e.g. tlt.rl.trainer.run_rank) and travels by reference: the workers import it, and this
 module imports nothing of tlt.rl. A rank that raises ends the run: the other ranks would wait in a collective
