@@ -14,7 +14,8 @@
 # need ~120 GB of host memory offloaded), no KL term (no reference model), no speculative decoding; 4 prompts x 4
 # responses of up to $MAX_RESPONSE tokens (default 256) on the smoke prompts. Per size in RESULTS_DIR/max_model:
 # <size>.log, <size>.rc (124 = timed out; an out-of-memory error is in the log) and <size>.json (the benchmark's
-# JSON line); summary.json and summary.txt list step time, peak and plan per size and the largest that completed.
+# JSON line); summary.json and summary.txt list step time, peak and plan for every size in RESULTS_DIR (earlier
+# calls' too) and the largest that completed.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -59,7 +60,10 @@ done
 $PY - "$RESULTS" $SIZES <<'EOF'
 import json, sys
 from pathlib import Path
-out, sizes = Path(sys.argv[1]), sys.argv[2:]
+ORDER = ["tiny", "0.5b", "1.5b", "3b", "7b"]  # by parameter count; every size with results here, this call's or not
+out = Path(sys.argv[1])
+sizes = sorted({p.stem for p in out.glob("*.rc")} | set(sys.argv[2:]),
+               key=lambda s: ORDER.index(s) if s in ORDER else len(ORDER))
 rows, largest = {}, None
 lines = [f"{'size':6s} {'rc':>4s} {'step_s':>8s} {'peak_GiB':>9s} {'plan_GiB':>9s} {'ratio':>6s}"]
 for size in sizes:
