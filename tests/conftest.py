@@ -50,3 +50,17 @@ def tiny_family_dir(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def ray_fake_gpus():
+    """A local Ray cluster with 4 fake GPUs (placement tests on a CPU machine), one per test module."""
+    ray = pytest.importorskip("ray", reason="ray is not installed")
+    if ray.is_initialized():
+        ray.shutdown()
+    try:
+        ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    except (RuntimeError, OSError, ConnectionError, ValueError) as e:
+        pytest.skip(f"ray cannot start here: {e}")
+    yield
+    ray.shutdown()

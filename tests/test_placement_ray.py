@@ -42,18 +42,6 @@ def probe_classes():
 ProbedReplica, TrainerRank = probe_classes()
 
 
-@pytest.fixture(scope="module")
-def ray_fake_gpus():
-    if ray.is_initialized():
-        ray.shutdown()
-    try:
-        ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
-    except (RuntimeError, OSError, ConnectionError, ValueError) as e:
-        pytest.skip(f"ray cannot start here: {e}")
-    yield
-    ray.shutdown()
-
-
 def params(long=24, temperature=0.0):
     return [tlt.SamplingParams(n=2, temperature=temperature, max_tokens=long if g % 2 else 4, seed=10 * g)
             for g in range(4)]

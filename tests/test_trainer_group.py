@@ -23,18 +23,6 @@ ray = pytest.importorskip("ray", reason="ray is not installed")
 
 
 @pytest.fixture(scope="module")
-def ray_fake_gpus():
-    if ray.is_initialized():
-        ray.shutdown()
-    try:
-        ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
-    except (RuntimeError, OSError, ConnectionError, ValueError) as e:
-        pytest.skip(f"ray cannot start here: {e}")
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny_policy"))
 

@@ -212,9 +212,13 @@ class GRPOTrainer:
             first_group = attempt * self.cfg.data.train_batch_size + rank * per
             with timer("gen"):
                 if self.rollout_engine is not self.llm:  # replicas hold their own copy of the policy
-                    state, stats = rollout_state_dict(self.model, DTYPES[self.cfg.rollout_dtype()])
-                    self.rollout_engine.set_policy_weights(state)
-                    self.step_sync += stats
+                    # once a step (DAPO's further attempts roll out the same policy), by the ranks that send it
+                    # (placed: rank 0) and, under FSDP, by every rank (the gather is collective)
+                    sends = self.dist.is_main or not self.placed
+                    if attempt == 0 and (sends or self.cfg.actor.strategy == "fsdp"):
+                        state, stats = rollout_state_dict(self.model, DTYPES[self.cfg.rollout_dtype()])
+                        self.rollout_engine.set_policy_weights(state)
+                        self.step_sync += stats
                     self.rollout_engine.rl_step = step
                 batch, outs = generate_rollouts(self.rollout_engine, prompts, params, first_group)
                 if self.rollout_engine is not self.llm:

@@ -42,6 +42,8 @@ class RankSharedRollout:
                  prompt_token_ids: list[list[int]] | None = None, group_ids: list[int] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """This rank's outputs, in its prompts' order; every rank calls it once per rollout (collective)."""
+        if prompt_token_ids is None and (prompts is None or any(isinstance(p, str) for p in prompts)):
+            raise ValueError("a shared rollout takes token ids (prompt_token_ids): rank 0's replicas decode them")
         ids = [list(p) for p in (prompt_token_ids if prompt_token_ids is not None else prompts)]
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
             [sampling_params or SamplingParams()] * len(ids)
