@@ -85,3 +85,21 @@ def test_sleep_refuses_mid_rollout(tiny_llama_dir):
     with pytest.raises(RuntimeError, match="unfinished"):
         llm.engine.sleep()
     assert not llm.engine.asleep
+
+
+def test_a_disaggregated_rank_keeps_its_engine_copy_in_host_memory(tiny_llama_dir):
+    """tlt.rl.trainer.host_copy: the same weights (then rounded to bf16) and rotary buffers, on the CPU, frozen, built
+    tensor by tensor; control: a changed policy weight shows up as a difference."""
+    import torch
+    from tlt.models.loader import load_model
+    from tlt.rl.trainer import host_copy
+    policy = load_model(tiny_llama_dir, dtype=torch.float32)
+    twin = host_copy(policy, torch.bfloat16)
+    got, want = twin.state_dict(), policy.state_dict()
+    assert got.keys() == want.keys()
+    assert all(v.device.type == "cpu" and v.dtype == torch.bfloat16 and not v.requires_grad for v in got.values())
+    assert all(torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want)
+    assert torch.equal(twin.rotary.inv_freq, policy.rotary.inv_freq.to(torch.bfloat16))
+    with torch.no_grad():
+        policy.lm_head.weight.add_(1.0) if policy.lm_head is not None else policy.embed_tokens.weight.add_(1.0)
+    assert not all(torch.equal(got[k], policy.state_dict()[k].to(torch.bfloat16)) for k in want)

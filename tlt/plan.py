@@ -228,6 +228,9 @@ def role_plans(cfg: Config, model_cfg: ModelConfig, trainer_ranks: int, replicas
     on a replica beside its KV cache (spot training while others decode; a disaggregated replica never sleeps)."""
     full = memory_plan(cfg, model_cfg, trainer_ranks)
     trainer = Plan([r for r in full.rows if r.name not in ENGINE_ROWS])
+    for r in trainer.rows:
+        if r.key == "more ranks (--world-size)":
+            r.key = "more trainer GPUs (trainer.rollout_gpus, trainer.nnodes)"
     responses = -(-cfg.data.train_batch_size * cfg.rollout.n // replicas)
     with torch.device("meta"):
         numel = sum(p.numel() for p in Decoder(model_cfg).parameters())
@@ -236,7 +239,7 @@ def role_plans(cfg: Config, model_cfg: ModelConfig, trainer_ranks: int, replicas
     for r in engine:
         if r.name == "drafter training":
             r.phases = ("rollout", "drafter")
-    key = "rollout.dtype=bfloat16" if width == 4 else "GPUs of more memory (a replica holds the whole model)"
+    key = "rollout.dtype=bfloat16" if width == 4 else "rollout.dtype (bfloat16 already: GPUs of more memory)"
     rollout = Plan([Row("rollout weights", numel * width, key)] + engine)
     return {"trainer": trainer, "rollout": rollout}
 
