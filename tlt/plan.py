@@ -11,6 +11,7 @@ naming the key to change, when the peak exceeds --device-memory (default: the CU
 device's memory when there is one; no check otherwise). --model-config plans from an architecture alone (a directory
 with an HF config.json, e.g. configs/models/qwen2.5-32b-instruct) instead of model.path; --world-size defaults to
 WORLD_SIZE, else to the trainer ranks of trainer.placement (placement=none: trainer.nnodes x n_gpus_per_node).
+With trainer.placement=disaggregated it prints and checks two plans, a trainer GPU and a rollout GPU (role_plans).
 """
 from __future__ import annotations
 

@@ -32,7 +32,8 @@ With actor.strategy=fsdp (under torchrun) the policy and the reference model are
 decodes its own full copy, refreshed from the shards layer by layer after every update (tlt.rl.weight_sync,
 docs/design.md §12), and checkpoints add the shards of the weights and AdamW state (tlt.rl.sharded_checkpoint).
 With trainer.placement the ranks are Ray actors on a placement group (tlt.rl.launch, tlt.workers.trainer_group) and
-rank 0 rolls out every rank's prompts on the placed replicas (docs/design.md §13).
+rank 0 rolls out every rank's prompts on the placed replicas (docs/design.md §13); disaggregated, a rank's own
+engine copy stays in host memory and rank 0 validates on the replicas.
 """
 from __future__ import annotations
 
