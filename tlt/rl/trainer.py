@@ -94,8 +94,8 @@ class GRPOTrainer:
                               "actor.strategy=ddp")
         check_launch(cfg.trainer, self.dist.world_size, placed)
         self.placed = placed
-        # a disaggregated trainer rank's GPU holds no engine: its replicas decode on GPUs of their own, and the
-        # rank's own engine copy (validation aside, a stats source) stays in host memory (docs/design.md §13)
+        # a disaggregated trainer rank's GPU holds no engine: the replicas decode and validate on GPUs of their own,
+        # and the rank's own engine copy stays in host memory (docs/design.md §13)
         self.engine_on_host = placed and cfg.trainer.placement == "disaggregated"
         self.prompts_per_rank, self.num_mini_batches = check_ranks(cfg, self.dist.world_size)
         prepare_config(cfg, self.dist)
@@ -424,9 +424,6 @@ class GRPOTrainer:
         return state.step
 
 
-# ---------------------------------------------------------------- command line
-
-
 def host_copy(model: Decoder, dtype: torch.dtype) -> Decoder:
     """A frozen copy of `model` in host memory and `dtype`, made tensor by tensor (no second copy on the device)."""
     from tlt.models.decoder import Decoder
@@ -435,6 +432,9 @@ def host_copy(model: Decoder, dtype: torch.dtype) -> Decoder:
     twin.load_state_dict({k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}, assign=True)
     twin.rotary = copy.deepcopy(model.rotary).to("cpu", dtype)  # its buffers are not in the state dict
     return twin.requires_grad_(False).eval()
+
+
+# ---------------------------------------------------------------- command line
 
 
 def spot_training(setting: bool | None, device: torch.device, world_size: int = 1) -> bool:
