@@ -85,3 +85,55 @@ def test_sleep_refuses_mid_rollout(tiny_llama_dir):
     with pytest.raises(RuntimeError, match="unfinished"):
         llm.engine.sleep()
     assert not llm.engine.asleep
+
+
+def test_a_disaggregated_rank_keeps_its_engine_copy_in_host_memory(tiny_llama_dir):
+    """tlt.rl.trainer.host_copy: the same weights (then rounded to bf16) and rotary buffers, on the CPU, frozen, built
+    tensor by tensor; control: a changed policy weight shows up as a difference."""
+    import torch
+    from tlt.models.loader import load_model
+    from tlt.rl.trainer import host_copy
+    policy = load_model(tiny_llama_dir, dtype=torch.float32)
+    twin = host_copy(policy, torch.bfloat16)
+    got, want = twin.state_dict(), policy.state_dict()
+    assert got.keys() == want.keys()
+    assert all(v.device.type == "cpu" and v.dtype == torch.bfloat16 and not v.requires_grad for v in got.values())
+    assert all(torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want)
+    assert torch.equal(twin.rotary.inv_freq, policy.rotary.inv_freq.to(torch.bfloat16))
+    with torch.no_grad():
+        policy.lm_head.weight.add_(1.0) if policy.lm_head is not None else policy.embed_tokens.weight.add_(1.0)
+    assert not all(torch.equal(got[k], policy.state_dict()[k].to(torch.bfloat16)) for k in want)
+
+
+@pytest.mark.parametrize("engine_on_host", [True, False])
+def test_a_disaggregated_rank_validates_on_the_replicas(monkeypatch, engine_on_host):
+    """GRPOTrainer.validate: rank 0 of a disaggregated run evaluates on the replicas it owns (its engine copy is in
+    host memory); otherwise (control) on its own engine."""
+    from types import SimpleNamespace
+    import tlt.rl.evaluate
+    from tlt.rl.trainer import GRPOTrainer
+    used = []
+    monkeypatch.setattr(tlt.rl.evaluate, "evaluate", lambda engine, *a, **k: used.append(engine) or
+                        SimpleNamespace(accuracy=0.5, response_length_mean=3.0))
+    replicas, own = object(), object()
+    cfg = load_config(None)
+    fake = SimpleNamespace(dist=SimpleNamespace(is_main=True), engine_on_host=engine_on_host, llm=own,
+                           rollout_engine=SimpleNamespace(owner=replicas), val_examples=[], rewards=None, cfg=cfg)
+    assert GRPOTrainer.validate(fake) == {"val/accuracy": 0.5, "val/response_length/mean": 3.0}
+    assert used == [replicas if engine_on_host else own]
+
+
+def test_no_final_sd_comparison_on_a_disaggregated_gpu_rank(capsys):
+    """compare_sd would time the trainer's host copy; on a GPU run of a disaggregated rank it is not made. Control:
+    the same trainer on CPU goes on to build the comparison's plain engine (here from a stand-in, which fails)."""
+    from types import SimpleNamespace
+    import torch
+    from tlt.rl.run_summary import compare_sd
+    fake = SimpleNamespace(llm=SimpleNamespace(spec=object()), last_rollout=([], []), engine_on_host=True,
+                           device=torch.device("cuda", 0), rollout_model=object(), tokenizer=None,
+                           cfg=load_config(None))
+    assert compare_sd(fake) is None
+    assert "no final SD comparison" in capsys.readouterr().out
+    fake.device = torch.device("cpu")
+    with pytest.raises(TypeError):  # tlt.LLM given a stand-in for the model
+        compare_sd(fake)

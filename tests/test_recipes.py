@@ -1,7 +1,8 @@
 """The paper-scale recipes, planned by `tlt plan` from the shipped architecture descriptions (configs/models/*/
-config.json) without any weights: configs/qwen7b_8gpu.yaml fits 80 GB GPUs; configs/qwen32b_32gpu.yaml does not
-(every rank's engine holds a full bf16 copy of the 32B model) and the plan names the engine's copy; controls: the
-32B recipe on 8 GPUs without FSDP, and the 7B one at 32k-token responses, do not fit and name the key."""
+config.json) without any weights: configs/qwen7b_8gpu.yaml (torchrun) fits 80 GB GPUs; configs/qwen32b_32gpu.yaml
+(disaggregated) fits 141 GB GPUs in both roles, a trainer GPU and a rollout GPU. Controls: the 32B recipe on 80 GB
+GPUs, or with many running sequences, or on 8 GPUs without FSDP, and the 7B one at 32k-token responses, do not
+fit and name the role and key."""
 from __future__ import annotations
 
 import re
@@ -16,12 +17,13 @@ from tlt.plan import main
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = "80GB"  # 80e9 bytes: below an H100's 85.5e9 (79.6 GiB) reported by CUDA
+H200 = "141GB"  # 141e9 bytes: below an H200's 150.1e9 (139.8 GiB) reported by CUDA
 RECIPES = [("qwen7b_8gpu.yaml", "deepseek-r1-distill-qwen-7b", 8), ("qwen32b_32gpu.yaml", "qwen2.5-32b-instruct", 32)]
 
 
-def plan(capsys, recipe: str, arch: str, *extra: str) -> tuple[int, str, str]:
+def plan(capsys, recipe: str, arch: str, *extra: str, memory: str = H100) -> tuple[int, str, str]:
     rc = main([str(ROOT / "configs" / recipe), "--model-config", str(ROOT / "configs" / "models" / arch),
-               "--device-memory", H100, *extra])
+               "--device-memory", memory, *extra])
     out = capsys.readouterr()
     return rc, out.out, out.err
 
@@ -34,10 +36,44 @@ def test_architecture_descriptions_have_the_published_size(arch, params):
     assert sum(p.numel() for p in model.parameters()) == params
 
 
-def test_32b_recipe_does_not_fit_colocated(capsys):
-    rc, out, err = plan(capsys, "qwen32b_32gpu.yaml", "qwen2.5-32b-instruct")
-    assert rc == 2 and "largest part is rollout weights" in err and "change rollout.dtype" in err
-    assert "actor.strategy=fsdp, 32 rank(s)" in out
+def _totals_mib(out: str) -> list[float]:
+    return [float(x) for x in re.findall(r"^total\s+([0-9.]+)$", out, re.M)]
+
+
+def test_32b_recipe_fits_in_both_roles(capsys):
+    """A trainer GPU without any engine rows, a rollout GPU with the model, KV cache and drafter; both fit."""
+    rc, out, err = plan(capsys, "qwen32b_32gpu.yaml", "qwen2.5-32b-instruct", memory=H200)
+    assert rc == 0, err
+    trainer, rollout = out.split("rollout GPU:")
+    assert "trainer GPU: actor.strategy=fsdp, 16 rank(s), no engine" in trainer
+    assert not re.search(r"^(rollout weights|kv cache|drafter)", trainer, re.M)
+    assert "one of 16 replica(s), 32 responses each" in rollout
+    for row in ("rollout weights", "kv cache", "drafter training"):
+        assert re.search(rf"^{row}\s+[1-9]", rollout, re.M), row
+    assert not re.search(r"^(optimizer|activations)", rollout, re.M)
+    totals = _totals_mib(out)
+    assert len(totals) == 2 and all(0 < t * 2**20 <= 141e9 for t in totals)
+    assert totals[0] * 2**20 <= 80e9 < totals[1] * 2**20  # the trainer side would fit an 80 GB GPU; a replica not
+
+
+def test_32b_recipe_on_80gb_gpus_fails_naming_the_rollout_role(capsys):
+    rc, _, err = plan(capsys, "qwen32b_32gpu.yaml", "qwen2.5-32b-instruct")
+    assert rc == 2 and "per rollout GPU does not fit" in err and "per trainer GPU" not in err
+    assert "largest part is rollout weights" in err
+
+
+def test_32b_recipe_with_many_running_sequences_fails_naming_the_key(capsys):
+    rc, _, err = plan(capsys, "qwen32b_32gpu.yaml", "qwen2.5-32b-instruct", "rollout.max_num_seqs=32", memory=H200)
+    assert rc == 2 and "per rollout GPU does not fit" in err and "change rollout.max_num_seqs" in err
+    assert "per trainer GPU" not in err
+
+
+def test_32b_on_4_trainer_gpus_fails_naming_the_trainer_role(capsys):
+    rc, out, err = plan(capsys, "qwen32b_32gpu.yaml", "qwen2.5-32b-instruct", "trainer.n_gpus_per_node=5",
+                        memory=H200)  # 20 GPUs: 4 trainer ranks, the same 16 replicas
+    assert "trainer GPU: actor.strategy=fsdp, 4 rank(s)" in out
+    assert rc == 2 and "per trainer GPU does not fit" in err and "per rollout GPU" not in err
+    assert "change more trainer GPUs (trainer.rollout_gpus, trainer.nnodes)" in err
 
 
 @pytest.mark.parametrize("recipe, arch, ranks", RECIPES[:1])
@@ -52,7 +88,8 @@ def test_recipe_fits_80gb_per_device(capsys, recipe, arch, ranks):
 
 def test_32b_on_8_gpus_without_fsdp_fails_naming_the_key(capsys):
     rc, _, err = plan(capsys, "qwen32b_32gpu.yaml", "qwen2.5-32b-instruct", "actor.strategy=ddp",
-                      "trainer.nnodes=1", "trainer.n_gpus_per_node=8")
+                      "trainer.nnodes=1", "trainer.n_gpus_per_node=8", "trainer.placement=none",
+                      "trainer.rollout_gpus=null")
     assert rc == 2 and "does not fit" in err and "change actor.strategy=fsdp" in err
 
 

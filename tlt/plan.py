@@ -11,6 +11,7 @@ naming the key to change, when the peak exceeds --device-memory (default: the CU
 device's memory when there is one; no check otherwise). --model-config plans from an architecture alone (a directory
 with an HF config.json, e.g. configs/models/qwen2.5-32b-instruct) instead of model.path; --world-size defaults to
 WORLD_SIZE, else to the trainer ranks of trainer.placement (placement=none: trainer.nnodes x n_gpus_per_node).
+With trainer.placement=disaggregated it prints and checks two plans, a trainer GPU and a rollout GPU (role_plans).
 """
 from __future__ import annotations
 
@@ -84,10 +85,10 @@ class Plan:
         return "\n".join(lines)
 
 
-def _kv_bytes(cfg: Config, m: ModelConfig, prompts_per_rank: int, capacity: int, layers: int) -> int:
-    """The engine's slot KV cache at its largest (tlt.engine.kv_cache): slots rounded up to 8 for the sequences
-    running at once, capacity rounded up to 32 positions."""
-    running = min(cfg.rollout.max_num_seqs, prompts_per_rank * cfg.rollout.n)
+def _kv_bytes(cfg: Config, m: ModelConfig, responses: int, capacity: int, layers: int) -> int:
+    """The engine's slot KV cache at its largest (tlt.engine.kv_cache) for an engine that decodes `responses`:
+    slots rounded up to 8 for the sequences running at once, capacity rounded up to 32 positions."""
+    running = min(cfg.rollout.max_num_seqs, responses)
     slots = min(-(-running // 8) * 8, cfg.rollout.max_num_seqs)
     width = 2 if cfg.rollout_dtype() == "bfloat16" else 4
     return slots * capacity * layers * 2 * m.num_kv_heads * m.head_dim * width
@@ -113,13 +114,15 @@ def largest_micro_batch(cfg: Config, groups: int, prompt_len: int) -> tuple[int,
 
 
 def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_rank: int | None = None,
-                prompt_len: int | None = None) -> Plan:
+                prompt_len: int | None = None, responses: int | None = None) -> Plan:
     """Bytes one device holds, per component and RL-step phase (docs/design.md §16). prompts_per_rank defaults to
-    data.train_batch_size / world; prompt_len (the longest prompt) to data.max_prompt_length."""
+    data.train_batch_size / world; prompt_len (the longest prompt) to data.max_prompt_length; responses (those
+    this device's engine decodes) to prompts_per_rank * rollout.n."""
     from tlt.device import cpu_has_fast_bf16
     a, m = cfg.actor, model_cfg
     fsdp = a.strategy == "fsdp"
     prompts_per_rank = prompts_per_rank or max(cfg.data.train_batch_size // world, 1)
+    responses = responses or prompts_per_rank * cfg.rollout.n
     P = prompt_len or cfg.data.max_prompt_length
     R = cfg.data.max_response_length
     with torch.device("meta"):
@@ -182,7 +185,7 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
         rows.append(Row(f"{phase.split('_')[0]} log-prob forward", f_tokens * per_layer + 2 * f_chunk * V * 4,
                         "actor.logprob_chunk_tokens", phases=(phase,)))
     capacity = -(-(P + R) // 32) * 32
-    kv = _kv_bytes(cfg, m, prompts_per_rank, capacity, m.num_layers)
+    kv = _kv_bytes(cfg, m, responses, capacity, m.num_layers)
     rows.append(Row("kv cache", kv, "rollout.max_num_seqs"))
     # growing the cache copies it: the last growth holds the old cache (32 positions shorter) beside the new
     rows.append(Row("kv cache growth", kv * (capacity - 32) // capacity, "rollout.max_num_seqs",
@@ -200,7 +203,7 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
     if s.enabled and s.method == "eagle":  # one decoder layer and the fc fusing (embedding, hidden state)
         drafter = layer_numel + 2 * H * H
         per = 4 * (1 + 1 + ADAM_STATES) if cfg.drafter_train.enabled else rollout_width
-        draft_kv = _kv_bytes(cfg, m, prompts_per_rank, capacity + 32, 1)  # its own one-layer cache, with room
+        draft_kv = _kv_bytes(cfg, m, responses, capacity + 32, 1)  # its own one-layer cache, with room
         rows.append(Row("drafter", drafter * per + draft_kv + drafter * rollout_width * (not on_cuda),
                         "speculative.enabled"))
         if cfg.drafter_train.enabled:  # hidden states kept from the rollout (bf16), FIFO-capped
@@ -209,10 +212,37 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
             rows.append(Row("drafter training", cfg.drafter_train.batch_tokens * (6 * V * 4 + per_layer),
                             "drafter_train.batch_tokens", phases=("drafter",)))
             steps = cfg.trainer.total_steps
-            tokens = min(cfg.drafter_train.buffer_max_tokens, steps * prompts_per_rank * cfg.rollout.n * (R + 1))
+            tokens = min(cfg.drafter_train.buffer_max_tokens, steps * responses * (R + 1))
             rows.append(Row("drafter buffer", tokens * H * 2, "drafter_train.buffer_max_tokens",
                             where="host" if on_cuda else "device"))  # kept on the host (tlt.drafter_train.buffer)
     return Plan(rows)
+
+
+ENGINE_ROWS = ("rollout weights", "kv cache", "kv cache growth", "drafter", "drafter training", "drafter buffer")
+
+
+def role_plans(cfg: Config, model_cfg: ModelConfig, trainer_ranks: int, replicas: int) -> dict[str, Plan]:
+    """trainer.placement=disaggregated: {"trainer": one trainer GPU, "rollout": one rollout GPU} (docs/design.md
+    §16). A trainer GPU holds memory_plan's rows at trainer_ranks without the engine's (its engine copy is in host
+    memory, docs/design.md §13); a rollout GPU holds the replica's full copy in rollout.dtype, the KV cache of the
+    data.train_batch_size * rollout.n / replicas responses it decodes, and the drafter with its training, which runs
+    on a replica beside its KV cache (spot training while others decode; a disaggregated replica never sleeps)."""
+    full = memory_plan(cfg, model_cfg, trainer_ranks)
+    trainer = Plan([r for r in full.rows if r.name not in ENGINE_ROWS])
+    for r in trainer.rows:
+        if r.key == "more ranks (--world-size)":
+            r.key = "more trainer GPUs (trainer.rollout_gpus, trainer.nnodes)"
+    responses = -(-cfg.data.train_batch_size * cfg.rollout.n // replicas)
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in Decoder(model_cfg).parameters())
+    width = 2 if cfg.rollout_dtype() == "bfloat16" else 4
+    engine = [r for r in memory_plan(cfg, model_cfg, 1, responses=responses).rows if r.name in ENGINE_ROWS[1:]]
+    for r in engine:
+        if r.name == "drafter training":
+            r.phases = ("rollout", "drafter")
+    key = "rollout.dtype=bfloat16" if width == 4 else "rollout.dtype (bfloat16 already: GPUs of more memory)"
+    rollout = Plan([Row("rollout weights", numel * width, key)] + engine)
+    return {"trainer": trainer, "rollout": rollout}
 
 
 def _non_linear_numel(model: Decoder) -> int:
@@ -270,14 +300,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if limit is None and torch.cuda.is_available():
         limit = torch.cuda.get_device_properties(0).total_memory
-    plan = memory_plan(cfg, model_cfg, world)
-    print(f"actor.strategy={cfg.actor.strategy}, {world} rank(s), per device:")
-    print(plan.table())
-    if limit is not None and plan.total > limit:
-        peak = max(ALL_PHASES, key=plan.phase_bytes)
-        big = max((r for r in plan.rows if r.where == "device" and peak in r.phases), key=lambda r: r.bytes)
-        name, size, key = big.name, big.bytes, big.key
-        print(f"tlt plan: {plan.total / 2**30:.2f} GiB per device does not fit {limit / 2**30:.2f} GiB; the "
-              f"largest part is {name} ({size / 2**30:.2f} GiB): change {key}", file=sys.stderr)
-        return 2
-    return 0
+    t = cfg.trainer
+    if t.placement == "disaggregated":
+        from tlt.workers.bundles import assign_bundles  # pure arithmetic, no Ray
+        replicas = len(assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus).rollout_bundles)
+        plans = role_plans(cfg, model_cfg, world, replicas)
+        heads = {"trainer": f"trainer GPU: actor.strategy={cfg.actor.strategy}, {world} rank(s), no engine",
+                 "rollout": f"rollout GPU: one of {replicas} replica(s), "
+                            f"{-(-cfg.data.train_batch_size * cfg.rollout.n // replicas)} responses each"}
+    else:
+        plans = {"device": memory_plan(cfg, model_cfg, world)}
+        heads = {"device": f"actor.strategy={cfg.actor.strategy}, {world} rank(s), per device"}
+    failed = []
+    for role, plan in plans.items():
+        print(f"{heads[role]}:")
+        print(plan.table())
+        if limit is not None and plan.total > limit:
+            failed.append(_does_not_fit(role, plan, limit))
+    for line in failed:
+        print(line, file=sys.stderr)
+    return 2 if failed else 0
+
+
+def _does_not_fit(role: str, plan: Plan, limit: int) -> str:
+    peak = max(ALL_PHASES, key=plan.phase_bytes)
+    big = max((r for r in plan.rows if r.where == "device" and peak in r.phases), key=lambda r: r.bytes)
+    where = "per device" if role == "device" else f"per {role} GPU"
+    return (f"tlt plan: {plan.total / 2**30:.2f} GiB {where} does not fit {limit / 2**30:.2f} GiB; the largest "
+            f"part is {big.name} ({big.bytes / 2**30:.2f} GiB): change {big.key}")

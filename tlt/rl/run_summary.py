@@ -21,6 +21,12 @@ def compare_sd(trainer) -> dict[str, Any] | None:
     from tlt.llm import LLM
     if trainer.llm.spec is None or trainer.last_rollout is None:
         return None
+    if getattr(trainer, "engine_on_host", False) and trainer.device.type == "cuda":
+        # a disaggregated trainer rank's engine copy is in host memory (docs/design.md §13): timing it there would
+        # not measure the GPU rollout; the replicas' rollout/spec_* metrics cover every step
+        print("tlt train: no final SD comparison: the trainer's engine copy is in host memory "
+              "(trainer.placement=disaggregated)", flush=True)
+        return None
     prompts, params = trainer.last_rollout
     params = [dataclasses.replace(p, return_hidden_states=False) for p in params]
     ids = [ex.prompt_ids for ex in prompts]

@@ -32,7 +32,8 @@ With actor.strategy=fsdp (under torchrun) the policy and the reference model are
 decodes its own full copy, refreshed from the shards layer by layer after every update (tlt.rl.weight_sync,
 docs/design.md §12), and checkpoints add the shards of the weights and AdamW state (tlt.rl.sharded_checkpoint).
 With trainer.placement the ranks are Ray actors on a placement group (tlt.rl.launch, tlt.workers.trainer_group) and
-rank 0 rolls out every rank's prompts on the placed replicas (docs/design.md §13).
+rank 0 rolls out every rank's prompts on the placed replicas (docs/design.md §13); disaggregated, a rank's own
+engine copy stays in host memory and rank 0 validates on the replicas.
 """
 from __future__ import annotations
 
@@ -93,6 +94,9 @@ class GRPOTrainer:
                               "actor.strategy=ddp")
         check_launch(cfg.trainer, self.dist.world_size, placed)
         self.placed = placed
+        # a disaggregated trainer rank's GPU holds no engine: the replicas decode and validate on GPUs of their own,
+        # and the rank's own engine copy stays in host memory (docs/design.md §13)
+        self.engine_on_host = placed and cfg.trainer.placement == "disaggregated"
         self.prompts_per_rank, self.num_mini_batches = check_ranks(cfg, self.dist.world_size)
         prepare_config(cfg, self.dist)
         if self.dist.is_main:
@@ -288,7 +292,9 @@ class GRPOTrainer:
         if not self.dist.is_main:
             return {}
         from tlt.rl.evaluate import evaluate
-        res = evaluate(self.llm, self.val_examples, self.rewards, n=1, temperature=0.0,
+        # disaggregated: on the rollout replicas (rank 0 owns them), whose GPUs hold the current policy
+        engine = self.rollout_engine.owner if self.engine_on_host else self.llm
+        res = evaluate(engine, self.val_examples, self.rewards, n=1, temperature=0.0,
                        max_tokens=self.cfg.data.max_response_length, seed=self.cfg.trainer.seed,
                        batch_size=self.cfg.data.val_batch_size)
         return {"val/accuracy": res.accuracy, "val/response_length/mean": res.response_length_mean}
@@ -318,7 +324,10 @@ class GRPOTrainer:
         each update."""
         if self.cfg.rollout_dtype() == self.cfg.policy_dtype() and self.cfg.actor.strategy != "fsdp":
             return self.model
-        return copy.deepcopy(self.model).to(DTYPES[self.cfg.rollout_dtype()]).requires_grad_(False).eval()
+        dtype = DTYPES[self.cfg.rollout_dtype()]
+        if self.engine_on_host:
+            return host_copy(self.model, dtype)
+        return copy.deepcopy(self.model).to(dtype).requires_grad_(False).eval()
 
     def sync_rollout_weights(self) -> None:
         """Copy the updated policy (gathered from its FSDP shards one unit at a time, docs/design.md §12) into the
@@ -417,6 +426,16 @@ class GRPOTrainer:
         if self.dist.is_main:
             print(f"resumed from {path} (step {state.step})", flush=True)
         return state.step
+
+
+def host_copy(model: Decoder, dtype: torch.dtype) -> Decoder:
+    """A frozen copy of `model` in host memory and `dtype`, made tensor by tensor (no second copy on the device)."""
+    from tlt.models.decoder import Decoder
+    with torch.device("meta"):
+        twin = Decoder(model.cfg)
+    twin.load_state_dict({k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}, assign=True)
+    twin.rotary = copy.deepcopy(model.rotary).to("cpu", dtype)  # its buffers are not in the state dict
+    return twin.requires_grad_(False).eval()
 
 
 # ---------------------------------------------------------------- command line
