@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from tlt.config import Config, ConfigError, load_config
+from tlt.engine.cuda_graph import MAX_TOKENS, ROUND
 from tlt.models.config import ModelConfig
 from tlt.models.decoder import Decoder
 
@@ -85,11 +86,12 @@ class Plan:
         return "\n".join(lines)
 
 
-def _kv_bytes(cfg: Config, m: ModelConfig, responses: int, capacity: int, layers: int) -> int:
+def _kv_bytes(cfg: Config, m: ModelConfig, responses: int, capacity: int, layers: int, graphs: bool = False) -> int:
     """The engine's slot KV cache at its largest (tlt.engine.kv_cache) for an engine that decodes `responses`:
-    slots rounded up to 8 for the sequences running at once, capacity rounded up to 32 positions."""
+    slots rounded up to 8 for the sequences running at once; with CUDA graphs every slot (padding rows write into
+    free ones, tlt.engine.cuda_graph)."""
     running = min(cfg.rollout.max_num_seqs, responses)
-    slots = min(-(-running // 8) * 8, cfg.rollout.max_num_seqs)
+    slots = cfg.rollout.max_num_seqs if graphs else min(-(-running // 8) * 8, cfg.rollout.max_num_seqs)
     width = 2 if cfg.rollout_dtype() == "bfloat16" else 4
     return slots * capacity * layers * 2 * m.num_kv_heads * m.head_dim * width
 
@@ -184,11 +186,14 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
         f_chunk = min(f_resp, a.logprob_chunk_tokens or f_resp)
         rows.append(Row(f"{phase.split('_')[0]} log-prob forward", f_tokens * per_layer + 2 * f_chunk * V * 4,
                         "actor.logprob_chunk_tokens", phases=(phase,)))
-    capacity = -(-(P + R) // 32) * 32
-    kv = _kv_bytes(cfg, m, responses, capacity, m.num_layers)
+    # capacity: rounded up to 32 positions, or with CUDA graphs to ROUND, with room for a verified draft tree
+    graphs = on_cuda and not cfg.rollout.enforce_eager
+    step = ROUND if graphs else 32
+    capacity = -(-(P + R + (MAX_TOKENS if graphs and cfg.speculative.enabled else 0)) // step) * step
+    kv = _kv_bytes(cfg, m, responses, capacity, m.num_layers, graphs)
     rows.append(Row("kv cache", kv, "rollout.max_num_seqs"))
-    # growing the cache copies it: the last growth holds the old cache (32 positions shorter) beside the new
-    rows.append(Row("kv cache growth", kv * (capacity - 32) // capacity, "rollout.max_num_seqs",
+    # growing the cache copies it: the last growth holds the old cache (one rounding step shorter) beside the new
+    rows.append(Row("kv cache growth", kv * (capacity - step) // capacity, "rollout.max_num_seqs",
                     phases=("rollout",)))
     copy = cfg.rollout_dtype() != cfg.policy_dtype() or fsdp
     if not on_cuda:  # tlt.models.kernels: a packed copy of each weight an inference matmul on CPU reads
@@ -203,7 +208,7 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
     if s.enabled and s.method == "eagle":  # one decoder layer and the fc fusing (embedding, hidden state)
         drafter = layer_numel + 2 * H * H
         per = 4 * (1 + 1 + ADAM_STATES) if cfg.drafter_train.enabled else rollout_width
-        draft_kv = _kv_bytes(cfg, m, responses, capacity + 32, 1)  # its own one-layer cache, with room
+        draft_kv = _kv_bytes(cfg, m, responses, capacity + 32, 1, graphs)  # its own one-layer cache, with room
         rows.append(Row("drafter", drafter * per + draft_kv + drafter * rollout_width * (not on_cuda),
                         "speculative.enabled"))
         if cfg.drafter_train.enabled:  # hidden states kept from the rollout (bf16), FIFO-capped
