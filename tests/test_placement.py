@@ -137,3 +137,21 @@ def test_no_final_sd_comparison_on_a_disaggregated_gpu_rank(capsys):
     fake.device = torch.device("cpu")
     with pytest.raises(TypeError):  # tlt.LLM given a stand-in for the model
         compare_sd(fake)
+
+
+@pytest.mark.parametrize("published", [True, False])
+def test_the_final_sd_comparison_decodes_the_replicas_drafter(published):
+    """Before the replicas close, rank 0's engine loads the drafter they trained (sd_compare.json would otherwise
+    time the warm-up drafter); before any publish (the control) nothing is loaded, nor on a rank that owns none."""
+    from types import SimpleNamespace
+    from tlt.rl.trainer import GRPOTrainer
+    loaded = []
+    state = {"fc.weight": object()} if published else None
+    spec = SimpleNamespace(load_drafter_state=loaded.append)
+    owner = SimpleNamespace(drafter_state=lambda: state)
+    GRPOTrainer.adopt_published_drafter(SimpleNamespace(llm=SimpleNamespace(spec=spec),
+                                                        rollout_engine=SimpleNamespace(owner=owner)))
+    assert loaded == ([state] if published else [])
+    GRPOTrainer.adopt_published_drafter(SimpleNamespace(llm=SimpleNamespace(spec=spec),
+                                                        rollout_engine=SimpleNamespace(owner=None)))
+    assert len(loaded) == int(published)

@@ -183,6 +183,7 @@ class GRPOTrainer:
         self.logger.close()
         self.rewards.close()  # stops the reward worker processes
         if self.rollout_engine is not self.llm:
+            self.adopt_published_drafter()
             self.rollout_engine.close()
         return {"steps": t.total_steps, "start_step": self.start_step, "wall_s": round(time.perf_counter() - start, 2),
                 "final_score_mean": metrics.get("critic/score/mean"),
@@ -328,6 +329,17 @@ class GRPOTrainer:
         if self.engine_on_host:
             return host_copy(self.model, dtype)
         return copy.deepcopy(self.model).to(dtype).requires_grad_(False).eval()
+
+    def adopt_published_drafter(self) -> None:
+        """Load the drafter the rollout replicas trained into this process's engine, whose final SD comparison
+        (tlt.rl.run_summary) would otherwise measure the warm-up drafter. Rank 0 of a placed run owns the replicas;
+        the other ranks have nothing to load."""
+        owner = getattr(self.rollout_engine, "owner", self.rollout_engine)  # RankSharedRollout -> its owner
+        if self.llm.spec is None or owner is None or not hasattr(owner, "drafter_state"):
+            return
+        state = owner.drafter_state()
+        if state:
+            self.llm.spec.load_drafter_state(state)
 
     def sync_rollout_weights(self) -> None:
         """Copy the updated policy (gathered from its FSDP shards one unit at a time, docs/design.md §12) into the
