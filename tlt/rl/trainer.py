@@ -471,7 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     overrides = argv[1:] if config_path else argv
     config_path = config_path or str(DEFAULT_CONFIG)  # no CONFIG: the out-of-the-box recipe
     cfg = load_config(config_path, overrides)
-    if cfg.trainer.placement != "none" and "WORLD_SIZE" not in os.environ:  # not torchrun: placement launches ranks
+    # placement launches the ranks; under a multi-rank torchrun check_launch refuses it (a one-process world, as
+    # SLURM or a job operator may set WORLD_SIZE=1, is no launch of its own)
+    if cfg.trainer.placement != "none" and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         summary = train_on_placement(cfg, run_rank)
     else:
         summary = run_rank(cfg, placed=False)
