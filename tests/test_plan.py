@@ -83,3 +83,17 @@ def test_kv_cache_with_cuda_graphs_holds_every_slot_at_rounded_capacity(tiny_lla
     capacity = -(-(100 + 300 + MAX_TOKENS) // ROUND) * ROUND
     assert graphed == 64 * capacity * per_position
     assert eager == 8 * 416 * per_position  # 8 responses running, 400 positions rounded up to 32
+
+
+def test_colocated_counts_the_replica_weights_beside_the_ranks_engine(tiny_llama_dir):
+    """Colocated, a GPU holds the trainer rank (with its engine's copy under FSDP) and the replica's own copy;
+    without placement (the control) only the rank's."""
+    m = read_config(tiny_llama_dir)
+    base = [f"model.path={tiny_llama_dir}", "actor.strategy=fsdp", "rollout.dtype=bfloat16", "model.dtype=float32",
+            "data.train_batch_size=2"]
+    alone = memory_plan(load_config(None, base), m, 1)
+    colocated = memory_plan(load_config(None, base + ["trainer.placement=colocated"]), m, 1)
+    copy = alone.bytes("rollout weights")
+    assert colocated.bytes("replica weights") == copy and colocated.bytes("rollout weights") == copy
+    assert colocated.total - alone.total == copy
+    assert "replica weights" not in [r.name for r in alone.rows]

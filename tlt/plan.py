@@ -148,6 +148,8 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
     rollout_width = 2 if cfg.rollout_dtype() == "bfloat16" else 4
     if cfg.rollout_dtype() != cfg.policy_dtype() or fsdp:  # the engine decodes its own full copy
         rows.append(Row("rollout weights", full_numel * rollout_width, "rollout.dtype"))
+    if cfg.trainer.placement == "colocated":  # the GPU's rollout replica, a process of its own, has its own copy
+        rows.append(Row("replica weights", full_numel * rollout_width, "trainer.placement=disaggregated"))
     if fsdp:  # a layer's gathered weights, and the next one's prefetched, in FSDP's param dtype (tlt.rl.fsdp)
         gathered = 2 if a.bf16_autocast and on_cuda else width
         rows.append(Row("fsdp gathered layers", 2 * layer_numel * gathered, "actor.strategy",
