@@ -339,7 +339,7 @@ class SpecDecoder:
         steps = N if arm.method == "ngram" else min(N, arm.depth + 1)
         width = arm.topk if arm.method == "eagle_tree" else 1  # a drafted node has at most topk children
         reserved = reserve(gens, steps if q is None else steps * width + 1, hidden.device)
-        temp, top_k, top_p = ([getattr(s.params, k) for s in seqs] for k in ("temperature", "top_k", "top_p"))
+        temp, top_k, top_p = _sampling_rows(seqs)
         shape = WalkShape(N, steps, width, q is not None, HostRows.of(temp, top_k, top_p, self.model.cfg.vocab_size))
         t, k = host_tensor(temp, hidden.device, torch.float32), host_tensor(top_k, hidden.device)
         walk, lp = self.accept_graphs.walk(shape, hidden, tokens, parents, valid, t, k,
@@ -350,7 +350,7 @@ class SpecDecoder:
         B, N, V = logits.shape
         dev = logits.device
         rep = lambda xs: host_tensor(xs, dev).repeat_interleave(N)  # noqa: E731  per node
-        temp, top_k, top_p = ([getattr(s.params, k) for s in seqs] for k in ("temperature", "top_k", "top_p"))
+        temp, top_k, top_p = _sampling_rows(seqs)
         p = transform_logits(logits.view(B * N, V), rep(temp), rep(top_k), rep(top_p),
                              HostRows.of(temp, top_k, top_p, V))  # nothing read from the device
         return p.view(B, N, V)
@@ -379,3 +379,8 @@ class SpecDecoder:
             for d in range(1, arm.depth + 1):
                 a = st["accept_by_pos"][d]
                 a[0] += int(len(path) - 1 >= d); a[1] += 1
+
+
+def _sampling_rows(seqs: list[Sequence]) -> tuple[list[float], list[int], list[float]]:
+    """The rows' temperature, top_k and top_p, as host lists."""
+    return ([s.params.temperature for s in seqs], [s.params.top_k for s in seqs], [s.params.top_p for s in seqs])
