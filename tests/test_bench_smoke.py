@@ -62,6 +62,11 @@ def test_oracle_accept_bound_on_a_real_model_is_ordered(tiny_llama_dir):
     b4, b8 = oracle_accept_bound(model, pairs, 4), oracle_accept_bound(model, pairs, 8)
     assert 1.0 < b4[1] < b4[2] < b4[4] <= 5.0  # more children, more mass; at most 1 + depth
     assert all(b8[k] >= b4[k] for k in b4)
+    # at a lower temperature the target's top-k mass can only grow: the bound rises (a uniform model stays put)
+    cold = oracle_accept_bound(model, pairs, 4, temperature=0.5)
+    assert all(cold[k] > b4[k] for k in b4), (cold, b4)
+    flat = [oracle_accept_bound(_UniformModel(4), pairs, 4, temperature=t)[1] for t in (0.5, 1.0)]
+    assert flat[0] == flat[1]
 
 
 def test_trl_bench_per_token_time():

@@ -1,9 +1,9 @@
 """Rollout-only benchmark over the long tail: one RL rollout of the default task, SD off / always / adaptive / n-gram.
 
     tlt bench rollout [--prompts 8] [--n 4] [--max-tokens 256] [--repeats 1] [--threads 1] [--quick]
-                      [--device auto|cpu|cuda] [--dtype float32|bfloat16|auto]
+                      [--temperature 1.0] [--device auto|cpu|cuda] [--dtype float32|bfloat16|auto]
 
-One rollout = `--prompts` default-task chat prompts, `--n` samples each (GRPO groups), temperature 1, stopping at
+One rollout = `--prompts` default-task chat prompts, `--n` samples each (GRPO groups), --temperature, stopping at
 EOS or --max-tokens: the batch starts full and shrinks as responses finish, so its tail runs at small batch.
 Modes, all with the same seeds: the drafter-invariant verification makes SD sample the very tokens plain decoding
 samples, so every mode does the same work (`same_as_off`: the fraction of responses equal to off's, token for
@@ -48,9 +48,9 @@ def spec_configs(drafter: str | None, depth: int, bs_threshold: int | None) -> d
     return s
 
 
-def rollout_once(llm, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> dict:
+def rollout_once(llm, prompts: list[list[int]], n: int, max_tokens: int, seed: int, temperature: float = 1.0) -> dict:
     from tlt.rl.rollout import sampling_params_for
-    params = sampling_params_for(len(prompts), n, 1.0, 1.0, -1, max_tokens, seed, first_prompt=0)
+    params = sampling_params_for(len(prompts), n, temperature, 1.0, -1, max_tokens, seed, first_prompt=0)
     if llm.spec is not None:
         llm.spec.reset_stats()
     before = llm.stats()
@@ -85,7 +85,7 @@ def oracle_bound(model, prompts: list[list[int]], runs: dict[str, list[dict]], a
     from tlt.bench.spec import oracle_accept_bound
     first = runs.get("off") or next(iter(runs.values()))
     pairs = [(prompts[i // a.n], list(ids)) for i, ids in enumerate(first[0]["ids"][:ORACLE_SAMPLE])]
-    return oracle_accept_bound(model, pairs, a.depth, topks=(1, 4))
+    return oracle_accept_bound(model, pairs, a.depth, topks=(1, 4), temperature=a.temperature)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=4, help="samples per prompt (group size)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
     ap.add_argument("--bs-threshold", type=int, default=None, help="adaptive gate (default: SpecConfig's)")
     ap.add_argument("--modes", default=",".join(MODES),
                     help="comma-separated: off, always, adaptive, ngram, always_rej, adaptive_rej (the _rej modes "
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.prompts, a.n, a.max_tokens, a.repeats = 2, 2, 16, 1
+    if not a.temperature > 0:
+        ap.error(f"--temperature {a.temperature}: must be > 0 (SD off's samples are compared by seed)")
     torch.set_num_threads(a.threads)
     from tlt.models import load_model, load_tokenizer
     from tlt.models.smollm import default_model_path
@@ -136,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {m: [] for m in configs}
     for rep in range(a.repeats):  # a new seed each repeat (the same for every mode): the n-gram drafter's history
         for m, llm in llms.items():  # of earlier responses must not hold this very rollout
-            runs[m].append(rollout_once(llm, prompts, a.n, a.max_tokens, a.seed + 1000 * rep))
+            runs[m].append(rollout_once(llm, prompts, a.n, a.max_tokens, a.seed + 1000 * rep,
+                                          a.temperature))
     res = {m: summarize(r) for m, r in runs.items()}
     base_tok_s = res.get("off", {}).get("tok_s")
     for m, v in res.items():
@@ -150,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         if v["accept_len"] is not None:
             v["accept_max"], v["oracle_chain"], v["oracle_tree4"] = a.depth + 1, bound.get(1), bound.get(4)
     print(f"model={model_dir} device={device} dtype={a.dtype} prompts={a.prompts} n={a.n} "
-          f"max_tokens={a.max_tokens} temperature=1.0 threads={a.threads} repeats={a.repeats} (median wall, new "
-          f"seeds each repeat; speedup: median paired ratio; tokens: median) | {note}")
+          f"max_tokens={a.max_tokens} temperature={a.temperature} threads={a.threads} repeats={a.repeats} "
+          f"(median wall, new seeds each repeat; speedup: median paired ratio; tokens: median) | {note}")
     print_table([{"mode": m, **v} for m, v in res.items()],
                 ["mode", "wall_s", "spread", "speedup", "tokens", "same_as_off", "tok_s", "tok_x", "decode_steps",
                  "len_p50", "len_max", "accept_len", "oracle_chain", "oracle_tree4", "accept_max", "sd_on", "bulk_s",
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table([{"mode": m, **{str(b): (v["accept_by_bucket"] or {}).get(b) for b in buckets}}
                      for m, v in res.items() if v["accept_by_bucket"]], ["mode", *map(str, buckets)])
     print_json_line("rollout", {"model": model_dir, "device": str(device), "dtype": a.dtype, "prompts": a.prompts,
-                                "n": a.n, "max_tokens": a.max_tokens,
+                                "n": a.n, "max_tokens": a.max_tokens, "temperature": a.temperature,
                                 "threads": a.threads, "repeats": a.repeats, "drafter": drafter, "drafter_note": note,
                                 "modes": res})
     return 0

@@ -1,7 +1,7 @@
-"""Speculative-decoding benchmark: SD vs our plain decoding per strategy and batch size, temperature 1.
+"""Speculative-decoding benchmark: SD vs our plain decoding per strategy and batch size (temperature 1 unless told).
 
     tlt bench spec [--drafter DIR] [--batch-sizes 1,2,4,8,16,32] [--max-tokens 128] [--repeats 3] [--quick]
-                   [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16] [--sd-eager-too]
+                   [--temperature 1.0] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16] [--sd-eager-too]
 
 Strategies: each fixed arm (EAGLE chain, EAGLE tree, n-gram) and the adaptive policy (bandit over the arm table,
 SD gated by batch size). Prompts are the default task's chat prompts; every configuration samples with the same
@@ -44,10 +44,10 @@ def _strategies(drafter: str | None, depth: int) -> dict[str, dict | None]:
     return s
 
 
-def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens, repeats, seed):
+def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens, repeats, seed, temperature=1.0):
     """All strategies at one batch size, timed interleaved; speedup = median over rounds of plain / strategy.
     Returns the rows and plain decoding's (prompt, response) pairs."""
-    params = tlt.SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+    params = tlt.SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
     batch = prompts[:bs]
     llms = {name: tlt.LLM(model, tokenizer=tok, max_num_seqs=max(bs, 1), speculative_config=spec)
             for name, spec in specs.items()}
@@ -73,12 +73,12 @@ def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens,
     return rows, [(p, o.outputs[0].token_ids) for p, o in zip(batch, timed["plain"]["result"])]
 
 
-def run_hf_assisted(model_dir, prompt, max_tokens, repeats, dtype, device):
+def run_hf_assisted(model_dir, prompt, max_tokens, repeats, dtype, device, temperature=1.0):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     assistant = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, num_hidden_layers=4).to(device).eval()
     ids = torch.tensor([prompt], device=device)
-    kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=True, temperature=1.0, top_k=0)
+    kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=True, temperature=temperature, top_k=0)
     out = {}
     with torch.inference_mode():
         for name, extra in (("hf_plain", {}), ("hf_assisted_4layer", {"assistant_model": assistant}),
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.batch_sizes, a.max_tokens, a.repeats, a.skip_hf = "1,2", 16, 1, True
+    if not a.temperature > 0:
+        ap.error(f"--temperature {a.temperature}: must be > 0 (the oracle bound and the law are for sampling)")
     from tlt.models import load_model, load_tokenizer
     from tlt.models.smollm import default_model_path
     model_dir = a.model or str(default_model_path())
@@ -126,36 +129,38 @@ def main(argv: list[str] | None = None) -> int:
     prompts = default_task_prompt_ids(tok, max(sizes), seed=a.seed + 1000, task=a.task)
     rows, results, pairs = [], {}, []
     for bs in sizes:
-        bs_rows, bs_pairs = run_ours(model, tok, prompts, bs, strategies(drafter, a.depth, a.sd_eager_too), a.max_tokens, a.repeats,
-                                     a.seed)
+        bs_rows, bs_pairs = run_ours(model, tok, prompts, bs, strategies(drafter, a.depth, a.sd_eager_too),
+                                     a.max_tokens, a.repeats, a.seed, a.temperature)
         if bs == max(sizes):
             pairs = bs_pairs  # plain decoding's responses at the largest batch size: the oracle bound's sample
         for r in bs_rows:
             print(f"  bs {bs} {r['strategy']}: {r['tok_s']:.1f} tok/s ({r['speedup']:.2f}x)", file=sys.stderr, flush=True)
             rows.append(r)
             results[f"bs{bs}/{r['strategy']}"] = {k: r[k] for k in ("tok_s", "speedup", "accept_len", "sd_on")}
-    print(f"model={model_dir} dtype={dtype} max_tokens={a.max_tokens} temperature=1.0 repeats={a.repeats} interleaved "
-          f"(median; speedup = median over rounds of plain/strategy time) threads={torch.get_num_threads()}")
+    print(f"model={model_dir} dtype={dtype} max_tokens={a.max_tokens} temperature={a.temperature} "
+          f"repeats={a.repeats} interleaved (median; speedup = median over rounds of plain/strategy time) threads={torch.get_num_threads()}")
     print_table(rows, ["bs", "strategy", "tok_s", "speedup", "accept_len", "sd_on", "spread"])
-    bound = {d: oracle_accept_bound(model, pairs, d) for d in sorted({a.depth, 2 * a.depth})}
+    bound = {d: oracle_accept_bound(model, pairs, d, temperature=a.temperature)
+             for d in sorted({a.depth, 2 * a.depth})}
     print(f"\naccept length an oracle drafter could reach on plain decoding's {len(pairs)} responses (estimate; the "
           f"target-only rule accepts at most the children's target mass):")
     print_table([{"depth": d, **{f"top{k}": v for k, v in b.items()}} for d, b in bound.items()],
                 ["depth", "top1", "top2", "top4"])
     results["oracle_accept_bound"] = {f"depth{d}/top{k}": v for d, b in bound.items() for k, v in b.items()}
     if not a.skip_hf:
-        hf = run_hf_assisted(model_dir, prompts[0], a.max_tokens, a.repeats, dtype, device)
-        print("\ntransformers at bs 1 (same prompt, temperature 1):")
+        hf = run_hf_assisted(model_dir, prompts[0], a.max_tokens, a.repeats, dtype, device, a.temperature)
+        print(f"\ntransformers at bs 1 (same prompt, temperature {a.temperature}):")
         print_table([{"strategy": k, **v} for k, v in hf.items()], ["strategy", "tok_s", "spread"])
         results.update({f"bs1/{k}": v["tok_s"] for k, v in hf.items()})
-    print_json_line("spec", {"model": model_dir, "dtype": str(dtype), "max_tokens": a.max_tokens, "results": results})
+    print_json_line("spec", {"model": model_dir, "dtype": str(dtype), "max_tokens": a.max_tokens,
+                              "temperature": a.temperature, "results": results})
     return 0
 
 
 @torch.inference_mode()
 def oracle_accept_bound(model, pairs: list[tuple[list[int], list[int]]], depth: int,
-                        topks: tuple[int, ...] = (1, 2, 4)) -> dict[int, float]:
-    """Estimated accept length an oracle drafter could reach on these sampled responses (temperature 1).
+                        topks: tuple[int, ...] = (1, 2, 4), temperature: float = 1.0) -> dict[int, float]:
+    """Estimated accept length an oracle drafter could reach on these responses, sampled at `temperature`.
 
     Under the target-only rule a node's children are accepted with probability at most their target mass: at most
     p_max for a chain, at most the top-k mass m_k for a tree with k children per node. Along each response,
@@ -168,7 +173,8 @@ def oracle_accept_bound(model, pairs: list[tuple[list[int], list[int]]], depth: 
             continue
         ids = torch.tensor([prompt + resp], device=next(model.parameters()).device)
         logits = model.logits(model(ids)[0, len(prompt) - 1:-1])              # [n, V]: predicts each response token
-        top = logits.softmax(-1).topk(max(topks), dim=-1).values.cumsum(-1)   # [n, K] top-k mass
+        probs = (logits.float() / temperature).softmax(-1)
+        top = probs.topk(max(topks), dim=-1).values.cumsum(-1)   # [n, K] top-k mass
         n = len(resp)
         for k in topks:
             m = top[:, k - 1].double()
