@@ -155,3 +155,85 @@ def test_a_spot_round_yields_to_the_update_and_finishes_after_it(tiny_llama_dir,
     assert trained == planned and during_update == 0
     planned, trained, during_update = round_(yield_to_update=False)
     assert trained == planned and during_update > 0  # control
+
+
+def _chain_forward(drafter, inputs, ids, pos):
+    """A plain causal forward over one drafting chain [n, H]: what the drafter computes at inference."""
+    return drafter(inputs[None], ids[None], pos[None])[0, -1]
+
+
+@pytest.mark.parametrize("passes", [2, 3])
+def test_unrolled_pass_equals_drafting_at_that_depth(target, buffer, passes):
+    """Pass k + 1's prediction at t equals the drafter run causally over what depth k + 1 sees at inference: the
+    target's features of its window up to t - k (the cache), then its own earlier predictions one a position."""
+    from tlt.drafter_train.trainer import unrolled_predictions
+    torch.manual_seed(2)
+    drafter = Drafter(target.cfg).attach(target).float()
+    b = buffer.sample_batch(2, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        preds = unrolled_predictions(drafter, b.hidden_in.float(), b.next_ids, b.positions, b.attn_mask, passes)
+        checked = 0
+        for row in range(b.seg_ids.shape[0]):
+            for t in range(b.seg_ids.shape[1]):
+                seg = b.seg_ids[row, t]
+                start = int((b.seg_ids[row] == seg).nonzero()[0])
+                for k in range(1, passes):
+                    if seg < 0 or t - k < start:
+                        continue
+                    # depth k + 1 at t: the cache holds positions start..t-k; the chain's entries at t-k+1..t read
+                    # the prediction of the pass before at the position before
+                    inputs = [b.hidden_in[row, start:t - k + 1].float()]
+                    inputs += [preds[j - 1][row, t - k + j - 1][None] for j in range(1, k + 1)]
+                    want = _chain_forward(drafter, torch.cat(inputs), b.next_ids[row, start:t + 1],
+                                          b.positions[row, start:t + 1])
+                    torch.testing.assert_close(preds[k][row, t], want, rtol=1e-4, atol=1e-4)
+                    checked += 1
+    assert checked > 50
+    # the control: teacher-forced features in place of the drafter's own predictions give another answer
+    row = 0
+    t = int((b.seg_ids[row] == 0).nonzero()[-1])
+    start = int((b.seg_ids[row] == 0).nonzero()[0])
+    with torch.no_grad():
+        forced = _chain_forward(drafter, b.hidden_in[row, start:t + 1].float(), b.next_ids[row, start:t + 1],
+                                b.positions[row, start:t + 1])
+    assert not torch.allclose(preds[1][row, t], forced, rtol=1e-3, atol=1e-3)
+
+
+def test_unrolled_training_one_pass_is_teacher_forcing(target, buffer):
+    """ttt_steps=1 is the teacher-forced loss; more passes add the unrolled ones (another loss, the same metrics
+    of pass 1), and train."""
+    batch = buffer.sample_batch(2, 64, generator=torch.Generator().manual_seed(0))
+    one, three = make_trainer(target, amp_dtype=None), make_trainer(target, amp_dtype=None, ttt_steps=3)
+    e1, e3 = one.evaluate(batch), three.evaluate(batch)
+    assert e1["acc"] == e3["acc"] and e1["hidden_loss"] == pytest.approx(e3["hidden_loss"])
+    assert e1["loss"] == pytest.approx(e1["hidden_loss"] + 0.1 * e1["ce"], rel=1e-5)
+    assert e3["loss"] != pytest.approx(e1["loss"], rel=1e-3)
+    first = three.train_step(batch).loss
+    for _ in range(30):
+        last = three.train_step(batch).loss
+    assert last < 0.7 * first
+    with pytest.raises(ValueError, match="ttt_steps"):
+        make_trainer(target, ttt_steps=0)
+
+
+def test_ttt_steps_reach_the_online_and_replica_trainers(tiny_llama_dir, tmp_path):
+    """drafter_train.ttt_steps trains online (in-process hook) and on Ray replicas (ReplicaConfig) unrolled."""
+    import tlt
+    from tlt.config import Config, DrafterTrainConfig
+    from tlt.drafter_train.online import OnlineDrafterHook
+    from tlt.speculative.drafter_io import save_drafter
+    from tlt.workers.rollout_worker import ReplicaConfig
+
+    plain = tlt.LLM(tiny_llama_dir, dtype="float32")
+    drafter_dir = save_drafter(Drafter(plain.engine.model.cfg), tmp_path / "d")
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", speculative_config={"method": "eagle", "model": str(drafter_dir)})
+    cfg = DrafterTrainConfig(min_buffer_tokens=0, batch_tokens=64, window_len=16, holdout_fraction=0.0,
+                             compare_drafters=False, ttt_steps=2)
+    hook = OnlineDrafterHook(cfg, llm.spec)
+    outs = plain.generate([[3, 5, 7, 9]] * 4, tlt.SamplingParams(temperature=1.0, max_tokens=24, seed=1,
+                                                               return_hidden_states=True, ignore_eos=True))
+    metrics = hook.after_rollout(1, None, outs)
+    assert hook.trainer.ttt_steps == 2 and metrics["drafter/steps"] > 0
+    run = Config()
+    run.drafter_train.ttt_steps = 3
+    assert ReplicaConfig.from_config(run).ttt_steps == 3

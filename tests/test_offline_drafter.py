@@ -103,8 +103,10 @@ def test_warmup_keys_choose_the_build_and_its_own_cache_dir(tiny, tmp_path, monk
     monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
     default = offline.warmup_build(DrafterTrainConfig())
     assert offline.drafter_cache_dir(model_dir, default) == tmp_path / "cache" / "drafters" / "tiny"  # as before
+    unrolled = offline.warmup_build(DrafterTrainConfig(ttt_steps=3))  # unrolled training: a build of its own
+    assert unrolled["ttt_steps"] == 3 and offline.drafter_cache_dir(model_dir, unrolled).name.startswith("tiny-")
     strong_cfg = DrafterTrainConfig(warmup_num_prompts=6, warmup_samples_per_prompt=2, warmup_max_tokens=8,
-                                    warmup_steps=3, warmup_temperatures=[0.7])
+                                    warmup_steps=3, warmup_temperatures=[0.7], ttt_steps=2)
     strong = offline.warmup_build(strong_cfg, data) | dict(draft_vocab=0, batch_tokens=64, window_len=16,
                                                           holdout_every=4, amp="none", dtype="float32")
     assert (strong["num_prompts"], strong["n"], strong["max_tokens"], strong["steps"], strong["temperatures"]) == \
@@ -113,6 +115,7 @@ def test_warmup_keys_choose_the_build_and_its_own_cache_dir(tiny, tmp_path, monk
     assert path.parent == tmp_path / "cache" / "drafters" and path.name.startswith("tiny-")  # not the default's
     prov = json.loads((path / "provenance.json").read_text())
     assert prov["num_samples"] == 12 and prov["steps"] == 3 and prov["config"]["temperatures"] == "0.7"
+    assert prov["config"]["ttt_steps"] == 2
     assert offline.default_drafter_path(model_dir, dict(strong)) == path  # same build, same cache entry
     lines = Path(data).read_text().splitlines(keepends=True)
     Path(data).write_text("".join(lines[1:] + lines[:1]))  # the same path with other content: another build

@@ -63,6 +63,8 @@ class OfflineConfig:
     window_len: int = _opt(256, "training window length (<= batch_tokens)")
     holdout_every: int = _opt(8, "every k-th sample is held out for evaluation")
     draft_vocab: int = _opt(0, "reduced draft vocabulary size from generated-token counts; 0 = the full vocabulary")
+    ttt_steps: int = _opt(1, "unrolled passes a training step (training-time test: pass k feeds the drafter its own "
+                             "pass k-1 features, as drafting depth k does); 1 = teacher-forced only")
     amp: str = _opt("auto", "autocast dtype for training: auto | none | bfloat16")
     threads: int = _opt(0, "torch intra-op threads; 0 = torch's default (on a busy shared CPU, 1 can be 2-3x faster)")
     seed: int = _opt(0, "seed for data order, sampling and drafter init")
@@ -169,7 +171,7 @@ def _train_drafter(cfg: OfflineConfig, model_dir: Path, command: str | None) -> 
         print(f"draft vocabulary: {cfg.draft_vocab} of {counts.numel()} ids, covering {covered:.1%} of tokens seen")
     amp = {"auto": "auto", "none": None, "bfloat16": torch.bfloat16}[cfg.amp]
     trainer = DrafterTrainer(drafter, lr=cfg.lr, batch_tokens=cfg.batch_tokens, num_rows=cfg.num_rows,
-                             seed=cfg.seed, amp_dtype=amp)
+                             seed=cfg.seed, amp_dtype=amp, ttt_steps=cfg.ttt_steps)
     heldout = buffer.heldout_batch(cfg.batch_tokens, 8 * cfg.batch_tokens)
     before = trainer.evaluate(heldout) if heldout is not None else {}
     t1, done = time.perf_counter(), 0
@@ -219,7 +221,7 @@ def warmup_build(dt, data: str | None = None) -> dict:
     (None: the default task). The keys' defaults give DEFAULT_BUILD; larger values give a stronger drafter (more of
     the target's own samples, longer responses, more steps)."""
     build = dict(DEFAULT_BUILD, num_prompts=dt.warmup_num_prompts, n=dt.warmup_samples_per_prompt,
-                 max_tokens=dt.warmup_max_tokens, steps=dt.warmup_steps,
+                 max_tokens=dt.warmup_max_tokens, steps=dt.warmup_steps, ttt_steps=dt.ttt_steps,
                  temperatures=",".join(map(str, dt.warmup_temperatures)))
     return build | ({"data": data} if data else {})
 

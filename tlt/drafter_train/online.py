@@ -68,7 +68,8 @@ class OnlineDrafterHook(DrafterHook):
         self.max_steps, self.max_seconds = max_steps, max_seconds
         self.drafter = _copy_of(spec.drafter)
         self.trainer = DrafterTrainer(self.drafter, lr=cfg.lr, batch_tokens=cfg.batch_tokens, seed=seed,
-                                      ckpt_dir=ckpt_dir, ckpt_every=cfg.ckpt_every if ckpt_dir else 0)
+                                      ckpt_dir=ckpt_dir, ckpt_every=cfg.ckpt_every if ckpt_dir else 0,
+                                      ttt_steps=cfg.ttt_steps)
         # the warm-start drafter, never trained: the baseline of the per-step comparison (tlt.drafter_train.compare)
         self.frozen = DrafterTrainer(_copy_of(spec.drafter), lr=0.0, batch_tokens=cfg.batch_tokens) \
             if cfg.compare_drafters else None

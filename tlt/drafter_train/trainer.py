@@ -3,6 +3,15 @@
 loss = 1.0 * SmoothL1(pred h_{t+1}, target h_{t+1}) + 0.1 * soft-CE(softmax(lm_head(h_{t+1})), drafter logits),
 both averaged over loss-mask (response) tokens. Only the drafter's fc and layer train; the target's embedding
 and LM head are shared and frozen (the LM head weight is detached here so no gradient reaches the target).
+
+With `ttt_steps` K > 1 (training-time test, as EAGLE-3 trains): pass 1 is the teacher-forced step above; pass k
+feeds the drafter its own pass-(k-1) prediction of the previous position instead of the target's feature, as
+drafting depth k does, and attends to what depth k attends to at inference: pass-1 keys up to k - 1 positions
+back (the drafter cache, built from the target's features) and one key of each pass in between on the diagonal
+(the draft chain's own entries). Pass k's loss weighs TTT_DECAY^(k-1); the weighted mean over passes is the loss.
+Accuracy and the accept-length proxy stay pass 1's (teacher-forced), comparable across settings (docs/design.md
+§2). A step then costs about K(K+1)/2 teacher-forced steps, and its attention holds (K x batch_tokens)^2 entries.
+
 Preemption is step-granular: the stop flag is checked between steps. Checkpoints hold the trainable params
 only and are written by a background thread (temp file + os.replace, so a reader never sees half a file); a
 failed write is logged there and raised in the caller's thread at the next drafter step or checkpoint, so the run
@@ -31,6 +40,7 @@ from tlt.speculative.drafter import Drafter
 
 logger = logging.getLogger(__name__)
 HIDDEN_WEIGHT, CE_WEIGHT = 1.0, 0.1
+TTT_DECAY = 0.8  # weight of each later unrolled pass relative to the one before
 StopFlag = threading.Event | Callable[[], bool] | None
 
 
@@ -110,8 +120,10 @@ class DrafterTrainer:
     def __init__(self, drafter: Drafter, lr: float, betas: tuple[float, float] = (0.9, 0.95),
                  weight_decay: float = 0.01, grad_clip: float = 1.0, batch_tokens: int = 2048, num_rows: int = 1,
                  ckpt_dir: str | os.PathLike | None = None, ckpt_every: int = 0, seed: int = 0,
-                 amp_dtype: torch.dtype | None | str = "auto"):
-        self.drafter = drafter
+                 amp_dtype: torch.dtype | None | str = "auto", ttt_steps: int = 1):
+        if ttt_steps < 1:
+            raise ValueError(f"ttt_steps={ttt_steps}: must be >= 1 (1 = teacher-forced training only)")
+        self.drafter, self.ttt_steps = drafter, ttt_steps
         self.params = [p for n, p in drafter.named_parameters() if n.startswith(("fc.", "layer."))]
         for p in self.params:
             p.requires_grad_(True)
@@ -132,11 +144,10 @@ class DrafterTrainer:
         dtype = next(self.drafter.parameters()).dtype
         amp = (torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype is not None
                else contextlib.nullcontext())
-        with amp:
-            pred = self.drafter(b.hidden_in.to(dtype), b.next_ids, b.positions, attn_mask=b.attn_mask)
+        preds = unrolled_predictions(self.drafter, b.hidden_in.to(dtype), b.next_ids, b.positions, b.attn_mask,
+                                     self.ttt_steps, amp)
         mask = b.loss_mask
-        pred, target = pred[mask].float(), b.target_hidden[mask].float()  # [N, H] loss tokens only
-        hidden_loss = F.smooth_l1_loss(pred, target, reduction="none").mean(-1).mean()
+        target = b.target_hidden[mask].float()                             # [N, H] loss tokens only
         w = self.drafter.target.lm_head_weight.detach()  # frozen, shared LM head, in its own dtype (no fp32 copy)
         with torch.no_grad():
             target_logits = F.linear(target.to(w.dtype), w).float()         # [N, V]
@@ -145,10 +156,21 @@ class DrafterTrainer:
                 target_logits = target_logits[:, self.drafter.d2t]
             target_probs = target_logits.softmax(-1)
         w_draft = w if self.drafter.d2t is None else w[self.drafter.d2t]
-        logits = F.linear(pred.to(w.dtype), w_draft).float()               # [N, V_draft]
-        ce = -(target_probs * logits.log_softmax(-1)).sum(-1).mean()
-        loss = HIDDEN_WEIGHT * hidden_loss + CE_WEIGHT * ce
-        correct = self.drafter.to_target_ids(logits.argmax(-1)) == target_top1  # [N] bool
+        total = weights = 0.0
+        for k, pred in enumerate(preds):
+            # pass k + 1 exists where the k positions before t are in t's window (drafting depth k + 1 from there)
+            valid = unrolled_valid(b.attn_mask, k)[mask]                   # [N] bool
+            pred = pred[mask].float()
+            hidden_k = F.smooth_l1_loss(pred, target, reduction="none").mean(-1)      # [N]
+            logits = F.linear(pred.to(w.dtype), w_draft).float()           # [N, V_draft]
+            ce_k = -(target_probs * logits.log_softmax(-1)).sum(-1)        # [N]
+            if k == 0:  # the teacher-forced pass: the metrics
+                hidden_loss, ce = hidden_k.mean(), ce_k.mean()
+                correct = self.drafter.to_target_ids(logits.argmax(-1)) == target_top1  # [N] bool
+            n = valid.sum().clamp(min=1)
+            total = total + TTT_DECAY ** k * ((HIDDEN_WEIGHT * hidden_k + CE_WEIGHT * ce_k) * valid).sum() / n
+            weights += TTT_DECAY ** k
+        loss = total / weights
         m = StepMetrics(loss.item(), hidden_loss.item(), ce.item(), float(correct.float().mean()), int(mask.sum()))
         return loss, correct, m
 
@@ -204,6 +226,57 @@ class DrafterTrainer:
         hit[batch.loss_mask] = correct.cpu()
         accept = accept_from_hits(hit, depth, seg_ids=batch.seg_ids)[batch.loss_mask].float().mean()
         return {"acc": m.acc, "loss": m.loss, "hidden_loss": m.hidden_loss, "ce": m.ce, "accept_proxy": float(accept)}
+
+
+def unrolled_valid(attn_mask: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, T] bool: position t has k positions before it in its own window (attn_mask [B, T, T] block-causal)."""
+    B, T, _ = attn_mask.shape
+    if k == 0:
+        return torch.ones(B, T, dtype=torch.bool, device=attn_mask.device)
+    valid = torch.zeros(B, T, dtype=torch.bool, device=attn_mask.device)
+    valid[:, k:] = attn_mask.diagonal(offset=-k, dim1=1, dim2=2)  # attn_mask[b, t, t - k]
+    return valid
+
+
+def unrolled_mask(attn_mask: torch.Tensor, passes: int) -> torch.Tensor:
+    """The attention of `passes` unrolled passes laid end to end ([B, pT, pT] bool, pass-major): pass a's query at
+    t attends pass 1's keys at j <= t - (a - 1) of its window and pass b's key at t - (a - b) for 1 < b <= a, what
+    drafting depth a attends to at inference (the cache, then the chain's own entries)."""
+    B, T, _ = attn_mask.shape
+    out = torch.zeros(B, passes * T, passes * T, dtype=torch.bool, device=attn_mask.device)
+    idx = torch.arange(T, device=attn_mask.device)
+    for a in range(passes):
+        rows = slice(a * T, (a + 1) * T)
+        out[:, rows, :T] = attn_mask & (idx[None, :] <= idx[:, None] - a)  # pass 1 keys, up to a back
+        for b in range(1, a + 1):  # pass b + 1's key on the diagonal a - b back (within the window)
+            d = a - b
+            block = torch.zeros(B, T, T, dtype=torch.bool, device=attn_mask.device)
+            block[:, idx[d:], idx[:T - d]] = unrolled_valid(attn_mask, d)[:, d:]
+            out[:, rows, b * T:(b + 1) * T] = block
+        if a > 0:  # padding queries see at least themselves (no fully masked row)
+            out[:, rows, a * T:(a + 1) * T] |= torch.eye(T, dtype=torch.bool, device=attn_mask.device)
+    return out
+
+
+def unrolled_predictions(drafter: Drafter, hidden_in: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                         attn_mask: torch.Tensor, passes: int, amp=None) -> list[torch.Tensor]:
+    """The drafter's predictions [B, T, H] of each unrolled pass (module doc): pass 1 teacher-forced; pass k reads
+    pass k - 1's prediction at t - 1 where the target's h_{t-1} was (zero where t starts its window). Each pass
+    runs the passes so far laid end to end (unrolled_mask), so keys of earlier passes carry their gradients."""
+    amp = amp if amp is not None else contextlib.nullcontext()
+    with amp:
+        preds = [drafter(hidden_in, next_ids, positions, attn_mask=attn_mask)]
+    inputs = [hidden_in]
+    for a in range(1, passes):
+        prev = preds[-1]
+        shifted = torch.zeros_like(prev)
+        shifted[:, 1:] = prev[:, :-1] * unrolled_valid(attn_mask, 1)[:, 1:, None]
+        inputs.append(shifted.to(hidden_in.dtype))
+        with amp:
+            out = drafter(torch.cat(inputs, 1), next_ids.repeat(1, a + 1), positions.repeat(1, a + 1),
+                          attn_mask=unrolled_mask(attn_mask, a + 1))
+        preds.append(out[:, a * hidden_in.shape[1]:])
+    return preds
 
 
 def should_publish(new: dict[str, float], old: dict[str, float] | None, tol: float = 0.0) -> bool:

@@ -54,6 +54,7 @@ class ReplicaConfig:
     train_drafter: bool = True       # record hidden states and train the drafter (needs an eagle drafter)
     drafter_lr: float = 3e-4
     batch_tokens: int = 2048         # tokens per packed drafter batch row
+    ttt_steps: int = 1               # unrolled passes a drafter step (tlt.drafter_train.trainer)
     buffer_max_tokens: int = 2_000_000
     window_len: int = 512
     holdout_every: int = 10          # every k-th response is held out for the publish gate (0 = no gate)
@@ -66,7 +67,7 @@ class ReplicaConfig:
         s, d = cfg.speculative, cfg.drafter_train
         return cls(speculative=s.engine_config(cfg.trainer.seed), **cfg.engine_args(), device=cfg.model.device,
                    dtype=cfg.rollout_dtype(), train_drafter=d.enabled and s.enabled and s.method == "eagle",
-                   drafter_lr=d.lr,
+                   drafter_lr=d.lr, ttt_steps=d.ttt_steps,
                    batch_tokens=d.batch_tokens, buffer_max_tokens=d.buffer_max_tokens, window_len=d.window_len,
                    holdout_every=round(1 / d.holdout_fraction) if d.holdout_fraction > 0 else 0)
 
@@ -122,7 +123,7 @@ class RolloutReplica:
             self.train_copy.load_state_dict(self.spec.drafter.trainable_state_dict(), strict=False)
             self.buffer = DrafterBuffer(c.buffer_max_tokens, c.window_len, holdout_every=c.holdout_every)
             self.trainer = DrafterTrainer(self.train_copy, lr=c.drafter_lr, batch_tokens=c.batch_tokens,
-                                          seed=c.seed + replica_id)
+                                          seed=c.seed + replica_id, ttt_steps=c.ttt_steps)
         self._step_lock, self._gen_lock, self._buffer_lock = threading.Lock(), threading.Lock(), threading.Lock()
         self._flags: dict[int, threading.Event] = {}
         self._flags_lock = threading.Lock()
