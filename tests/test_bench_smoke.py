@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tests.conftest import make_tiny_checkpoint
@@ -78,13 +79,18 @@ def test_trl_bench_per_token_time():
     assert seconds_per_ktok([40.0], [None], 16) is None
 
 
-def test_rollout_on_the_longtail_task_prints_the_oracle_bound_beside_accept_length(tmp_path, capsys):
+def test_rollout_on_the_longtail_task_prints_the_oracle_bound_beside_accept_length(tmp_path, capsys, monkeypatch):
     from tlt.bench import rollout
     from tlt.bench.random_model import build_random_model
+    from tlt.rl import rollout as rl_rollout
     model_dir = str(build_random_model("tiny", tmp_path / "tiny", dtype="float32"))
+    seen, real = [], rl_rollout.sampling_params_for
+    monkeypatch.setattr(rl_rollout, "sampling_params_for", lambda *a, **k: seen.append(a[2]) or real(*a, **k))
     assert rollout.main(["--quick", "--model", model_dir, "--task", "longtail", "--device", "cpu",
-                         "--modes", "off,ngram", "--depth", "3"]) == 0
+                         "--modes", "off,ngram", "--depth", "3", "--temperature", "0.6"]) == 0
+    assert seen and set(seen) == {0.6}  # every rollout sampled at the temperature asked for
     out = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(out[-1])["temperature"] == 0.6
     assert any("oracle_chain" in line and "accept_max" in line for line in out)
     modes = json.loads(out[-1])["modes"]
     assert "accept_max" not in modes["off"]                            # no SD, no bound to show
@@ -92,3 +98,11 @@ def test_rollout_on_the_longtail_task_prints_the_oracle_bound_beside_accept_leng
     assert ngram["accept_max"] == 4
     assert 1.0 <= ngram["oracle_chain"] <= ngram["oracle_tree4"] <= 4.0
     assert ngram["accept_len"] <= ngram["accept_max"]
+
+
+def test_bench_temperature_must_be_positive(capsys):
+    from tlt.bench import rollout, spec
+    for main in (rollout.main, spec.main):
+        with pytest.raises(SystemExit) as e:
+            main(["--quick", "--temperature", "0"])
+        assert e.value.code == 2 and "--temperature 0.0: must be > 0" in capsys.readouterr().err

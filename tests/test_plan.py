@@ -97,3 +97,14 @@ def test_colocated_counts_the_replica_weights_beside_the_ranks_engine(tiny_llama
     assert colocated.bytes("replica weights") == copy and colocated.bytes("rollout weights") == copy
     assert colocated.total - alone.total == copy
     assert "replica weights" not in [r.name for r in alone.rows]
+
+
+def test_unrolled_drafter_training_is_planned(tiny_llama_dir):
+    """drafter_train.ttt_steps=K: K passes of loss tensors, passes laid end to end, and their masks (13 T^2 bytes at
+    K = 3) in the drafter-training row; one pass (the control) plans none of it."""
+    m = read_config(tiny_llama_dir)
+    base = [f"model.path={tiny_llama_dir}", "speculative.enabled=true", "drafter_train.enabled=true",
+            "drafter_train.batch_tokens=2048"]
+    one = memory_plan(load_config(None, base), m, 1).bytes("drafter training")
+    three = memory_plan(load_config(None, base + ["drafter_train.ttt_steps=3"]), m, 1).bytes("drafter training")
+    assert three - one > 13 * 2048 ** 2 and three > 2 * one

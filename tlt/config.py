@@ -145,8 +145,10 @@ class DrafterTrainConfig:
     window_len: int = _f(512, "training window length over long responses", ge=1)
     batch_tokens: int = _f(8192, "tokens per packed drafter batch", ge=1)
     ttt_steps: int = _f(1, "unrolled passes a drafter training step, online and in the warm-up (training-time test: "
-                           "pass k feeds the drafter its own features, as drafting depth k does; a step costs about "
-                           "K(K+1)/2 teacher-forced ones); 1 = teacher-forced only", ge=1)
+                           "pass k feeds the drafter its own features, as drafting depth k does); a step costs "
+                           "3.4x a teacher-forced one at 3 and its masks grow as (K x batch_tokens)^2 bytes: lower "
+                           "batch_tokens with it; K > 1 builds its own warm-up drafter once; 1 = teacher-forced "
+                           "only (docs/design.md §2)", ge=1)
     ckpt_every: int = _f(50, "checkpoint trainable drafter params every N drafter steps", ge=1)
     offset_sampling: bool = _f(True, "mix the previous step's long responses into training (one-step offset)")
     holdout_fraction: float = _f(0.05, "fraction of samples held out for acceptance metrics", ge=0, le=0.5)

@@ -214,10 +214,13 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
         rows.append(Row("drafter", drafter * per + draft_kv + drafter * rollout_width * (not on_cuda),
                         "speculative.enabled"))
         if cfg.drafter_train.enabled:  # hidden states kept from the rollout (bf16), FIFO-capped
-            # a training batch's loss (tlt.drafter_train.trainer): the target's logits and softmax, the drafter's
-            # logits, their log-softmax and the soft cross-entropy's product, fp32 [N, V] each, and a gradient
-            rows.append(Row("drafter training", cfg.drafter_train.batch_tokens * (6 * V * 4 + per_layer),
-                            "drafter_train.batch_tokens", phases=("drafter",)))
+            # a training batch's loss (tlt.drafter_train.trainer): the target's logits and softmax, fp32 [N, V]
+            # each; per unrolled pass the drafter's logits, their log-softmax, the soft cross-entropy's product and
+            # a gradient; pass a runs a passes laid end to end, with an [aT, aT] bool mask kept for the backward
+            T, K = cfg.drafter_train.batch_tokens, cfg.drafter_train.ttt_steps
+            train = T * ((2 + 4 * K) * V * 4 + per_layer * K * (K + 1) // 2)
+            train += sum((a * T) ** 2 for a in range(2, K + 1))
+            rows.append(Row("drafter training", train, "drafter_train.batch_tokens", phases=("drafter",)))
             steps = cfg.trainer.total_steps
             tokens = min(cfg.drafter_train.buffer_max_tokens, steps * responses * (R + 1))
             rows.append(Row("drafter buffer", tokens * H * 2, "drafter_train.buffer_max_tokens",

@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.prompts, a.n, a.max_tokens, a.repeats = 2, 2, 16, 1
     if not a.temperature > 0:
-        ap.error(f"--temperature {a.temperature}: must be > 0 (SD off's samples are compared by seed)")
+        ap.error(f"--temperature {a.temperature}: must be > 0 (the benchmark samples, and the oracle "
+                 "bound divides the logits by it)")
     torch.set_num_threads(a.threads)
     from tlt.models import load_model, load_tokenizer
     from tlt.models.smollm import default_model_path

@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.batch_sizes, a.max_tokens, a.repeats, a.skip_hf = "1,2", 16, 1, True
     if not a.temperature > 0:
-        ap.error(f"--temperature {a.temperature}: must be > 0 (the oracle bound and the law are for sampling)")
+        ap.error(f"--temperature {a.temperature}: must be > 0 (the benchmark samples, and the oracle "
+                 "bound divides the logits by it)")
     from tlt.models import load_model, load_tokenizer
     from tlt.models.smollm import default_model_path
     model_dir = a.model or str(default_model_path())
