@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(r)
             results[f"bs{bs}/{r['strategy']}"] = {k: r[k] for k in ("tok_s", "speedup", "accept_len", "sd_on")}
     print(f"model={model_dir} dtype={dtype} max_tokens={a.max_tokens} temperature={a.temperature} "
-          f"repeats={a.repeats} interleaved (median; speedup = median over rounds of plain/strategy time) threads={torch.get_num_threads()}")
+          f"repeats={a.repeats} interleaved (median; speedup = median over rounds of plain/strategy time) "
+          f"threads={torch.get_num_threads()}")
     print_table(rows, ["bs", "strategy", "tok_s", "speedup", "accept_len", "sd_on", "spread"])
     bound = {d: oracle_accept_bound(model, pairs, d, temperature=a.temperature)
              for d in sorted({a.depth, 2 * a.depth})}
