@@ -235,10 +235,8 @@ class DrafterTrainer:
 def unrolled_valid(attn_mask: torch.Tensor, k: int) -> torch.Tensor:
     """[B, T] bool: position t has k positions before it in its own window (attn_mask [B, T, T] block-causal)."""
     B, T, _ = attn_mask.shape
-    if k == 0:
-        return torch.ones(B, T, dtype=torch.bool, device=attn_mask.device)
     valid = torch.zeros(B, T, dtype=torch.bool, device=attn_mask.device)
-    valid[:, k:] = attn_mask.diagonal(offset=-k, dim1=1, dim2=2)  # attn_mask[b, t, t - k]
+    valid[:, k:] = attn_mask.diagonal(offset=-k, dim1=1, dim2=2)  # attn_mask[b, t, t - k]; k = 0: every t
     return valid
 
 
@@ -250,13 +248,12 @@ def unrolled_mask(attn_mask: torch.Tensor, passes: int) -> torch.Tensor:
     out = torch.zeros(B, passes * T, passes * T, dtype=torch.bool, device=attn_mask.device)
     idx = torch.arange(T, device=attn_mask.device)
     for a in range(passes):
-        rows = slice(a * T, (a + 1) * T)
-        out[:, rows, :T] = attn_mask & (idx[None, :] <= idx[:, None] - a)  # pass 1 keys, up to a back
-        for b in range(1, a + 1):  # pass b + 1's key on the diagonal a - b back (within the window)
+        out[:, a * T:(a + 1) * T, :T] = attn_mask & (idx[None, :] <= idx[:, None] - a)  # pass 1 keys, up to a back
+        # pass b + 1's key on the diagonal a - b back, within the window; at b = a every query sees itself, so no
+        # row is fully masked
+        for b in range(1, a + 1):
             d = a - b
-            block = torch.zeros(B, T, T, dtype=torch.bool, device=attn_mask.device)
-            block[:, idx[d:], idx[:T - d]] = unrolled_valid(attn_mask, d)[:, d:]
-            out[:, rows, b * T:(b + 1) * T] = block  # b = a: every query sees itself (no fully masked row)
+            out[:, a * T + idx[d:], b * T + idx[:T - d]] = unrolled_valid(attn_mask, d)[:, d:]
     return out
 
 
