@@ -201,6 +201,10 @@ class TrainerConfig:
     n_gpus_per_node: int = _f(1, "GPUs used on each node: bundles of the placement group, or torchrun's "
                                  "--nproc_per_node with placement=none (verl's trainer.n_gpus_per_node)", ge=1)
     rollout_gpus: int | None = _f(None, "placement=disaggregated: GPUs for rollout replicas; null = half", ge=1)
+    retain_freed_memory: bool | None = _f(
+        None, "keep host memory the policy update frees in the trainer process for reuse (glibc: large blocks from "
+              "the heap, never trimmed) instead of page-faulting GBs back from the OS every micro-batch; resident "
+              "memory stays at the step's peak; null = true when the policy is on CPU (docs/design.md §10)")
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """Device and dtype resolution, decided at run time: bf16 where the hardware runs it fast, fp32 otherwise."""
 from __future__ import annotations
 
+import ctypes
 import functools
+import platform
 
 import torch
 
@@ -47,6 +49,22 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | str 
         raise ValueError(f"dtype={dtype!r} is not supported: use one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
+
+def retain_freed_host_memory() -> bool:
+    """Keep host memory this process frees for its own reuse instead of handing it back to the OS (glibc only;
+    returns whether it applied). glibc serves a large block with its own mmap and unmaps it on free, and trims the
+    heap's free top: a CPU policy update allocates and frees GBs of activations and gradients each micro-batch, so
+    every one of their pages is faulted in and zeroed again by the kernel (docs/design.md §10). After this call
+    large blocks come from the heap (M_MMAP_MAX = 0) and the heap is never trimmed (M_TRIM_THRESHOLD = -1), so
+    freed blocks are reused in place; resident memory stays at the process's peak."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
+    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, -1))
 
 
 def host_tensor(data, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -126,8 +126,22 @@ class RecordingHook:
         return getattr(self.inner, name)
 
 
+def _memory_short() -> bool:
+    """Whether less than a third of the machine's memory is available (Linux /proc/meminfo; False elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)}
+        return info["MemAvailable"] < info["MemTotal"] / 3
+    except (OSError, KeyError, ValueError):
+        return False
+
+
 def _release_free_memory() -> None:
-    """Hand memory the allocator holds but no tensor uses back to the OS (glibc malloc_trim; a no-op elsewhere)."""
+    """Hand memory the allocator holds but no tensor uses back to the OS (glibc malloc_trim; a no-op elsewhere), but
+    only when memory is short: a trainer keeps its update's freed memory for the next update
+    (trainer.retain_freed_memory), and trimming it would make the bench pay page faults a real run does not."""
+    if not _memory_short():
+        return
     try:
         import ctypes
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -145,7 +159,7 @@ class TurnLogger:
         self.inner.log(step, metrics)
         self.conn.send(("step", {"step": step, "metrics": dict(metrics), "scores": self.hook.scores,
                                  "lengths": self.hook.lengths, "responses": self.hook.responses}))
-        _release_free_memory()  # the waiting modes should not sit on the update's freed peak
+        _release_free_memory()  # when memory is short, the waiting modes should not sit on their freed peak
         self.conn.recv()  # blocked (no CPU) until the parent says go
 
     def __getattr__(self, name):  # everything else the trainer calls (close, ...) goes to the real logger

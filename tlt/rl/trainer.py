@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from tlt.config import Config, ConfigError, format_config, load_config
-from tlt.device import DTYPES
+from tlt.device import DTYPES, retain_freed_host_memory
 from tlt.drafter_train.hook import DrafterHook
 from tlt.engine.outputs import RequestOutput
 from tlt.faults import fault_point
@@ -103,6 +103,8 @@ class GRPOTrainer:
             print(format_config(cfg), flush=True)  # resolved: the default model, data and drafter filled in
         d, t = cfg.data, cfg.trainer
         self.device = torch.device("cuda", self.dist.local_rank) if device.type == "cuda" else device
+        if retains_freed_memory(t.retain_freed_memory, self.device):
+            retain_freed_host_memory()
         torch.manual_seed(t.seed)
         self.run_dir = Path(t.default_local_dir) / t.project_name / t.experiment_name
         self.ckpt = CheckpointManager(self.run_dir, t.max_ckpt_to_keep)
@@ -460,6 +462,12 @@ def spot_training(setting: bool | None, device: torch.device, world_size: int = 
         return setting
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return device.type == "cpu" and torch.get_num_threads() * world_size < cores
+
+
+def retains_freed_memory(setting: bool | None, device: torch.device) -> bool:
+    """trainer.retain_freed_memory: true, false, or null = true where the policy update runs on CPU (on CUDA its
+    tensors live in the CUDA caching allocator, which keeps freed blocks anyway)."""
+    return device.type == "cpu" if setting is None else setting
 
 
 def main(argv: list[str] | None = None) -> int:
