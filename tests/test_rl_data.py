@@ -128,3 +128,29 @@ def test_no_shuffle_and_validation_iteration():
     assert len(list(make_dataset(5, None).iter_batches())) == 1  # batch_size None: everything at once
     with pytest.raises(DataError, match="batch_size=6"):
         make_dataset(5, 6)
+
+
+def test_sd_comparison_times_the_next_rollout_not_the_last():
+    """tlt train's closing SD comparison samples what step total_steps + 1 would: the next prompts with that step's
+    seeds, which the drafter never trained on; the data stream is not advanced. Control: the last step's rollout."""
+    from types import SimpleNamespace
+
+    from tlt.config import Config
+    from tlt.rl.rollout import rollout_seed, sampling_params_for
+    from tlt.rl.run_summary import next_rollout
+    cfg = Config()
+    cfg.trainer.total_steps, cfg.rollout.n = 3, 4
+    data = make_dataset(12, 4, seed=1)
+    last = None
+    for step in range(1, 4):  # the run's three steps, as collect_rollouts draws them (one rank)
+        last = (data.next_batch(), sampling_params_for(4, 4, cfg.rollout.temperature, cfg.rollout.top_p,
+                                                       cfg.rollout.top_k, cfg.data.max_response_length,
+                                                       rollout_seed(cfg.trainer.seed, step), first_prompt=0))
+    trainer = SimpleNamespace(cfg=cfg, train_data=data, prompts_per_rank=4, dist=SimpleNamespace(rank=0))
+    prompts, params = next_rollout(trainer)
+    assert (data.epoch, data.position) == (0, 12)  # not advanced
+    assert [p.index for p in next_rollout(trainer)[0]] == [p.index for p in prompts]
+    assert [p.index for p in prompts] == [p.index for p in data.next_batch()]  # what step 4 would roll out
+    assert [p.seed for p in params] == [rollout_seed(cfg.trainer.seed, 4) + j * 4 for j in range(4)]
+    assert {p.seed for p in params}.isdisjoint(p.seed for p in last[1])
+    assert not any(p.return_hidden_states for p in params) and all(p.n == 4 for p in params)

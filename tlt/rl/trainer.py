@@ -23,7 +23,8 @@ the engine's. rollout/logprob_max_diff logs the engine's distance from the train
 Outputs go to <trainer.default_local_dir>/<project_name>/<experiment_name>/: metrics.jsonl (step 0 = held-out
 accuracy before training), response_lengths.jsonl, tensorboard/, global_step_N/ checkpoints (tlt.rl.checkpoint,
 with the online drafter in drafter/); trainer.resume=auto resumes the newest complete one exactly. At the end `tlt
-train` times the final rollout with SD off and on (sd_compare.json) and writes report.html (tlt.rl.run_summary).
+train` times the next step's rollout (fresh prompts and seeds) with SD off and on (sd_compare.json) and writes
+report.html (tlt.rl.run_summary).
 With eagle SD and one rollout worker the drafter trains online in this process (tlt.drafter_train.online).
 model.path=tiny-random builds a tiny random Llama once (tlt.rl.tiny_model); model.path=null is the default
 SmolLM2 model. Under torchrun each rank rolls out train_batch_size / world_size prompts; gradients are summed
