@@ -12,8 +12,9 @@ from tlt.rl.trainer import retains_freed_memory
 # a fresh process allocates and frees a 64 MiB tensor six times and prints the page faults of the last three (the
 # first ones grow the heap: small allocations made in between take a slice of a freed block)
 PROBE = """
-import resource, sys, torch
+import ctypes, resource, sys, torch
 from tlt.device import retain_freed_host_memory
+ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: count 4 KiB pages where THP is "always"
 if sys.argv[1] == "retain":
     assert retain_freed_host_memory()
 def faults():
@@ -45,3 +46,24 @@ def test_retained_by_default_on_cpu_only():
     assert retains_freed_memory(None, torch.device("cpu"))
     assert not retains_freed_memory(None, torch.device("cuda"))
     assert not retains_freed_memory(False, torch.device("cpu")) and retains_freed_memory(True, torch.device("cuda"))
+
+
+def test_bench_trims_waiting_modes_only_when_memory_is_short(tmp_path):
+    from tlt.bench.e2e import _memory_short
+
+    def files(avail_kb: int, total_kb: int, cg_max: str | None = None, cg_current: int = 0):
+        (tmp_path / "meminfo").write_text(f"MemTotal: {total_kb} kB\nMemFree: 1 kB\nMemAvailable: {avail_kb} kB\n")
+        cg = tmp_path / "cg"
+        cg.mkdir(exist_ok=True)
+        for name in ("memory.max", "memory.current"):
+            (cg / name).unlink(missing_ok=True)
+        if cg_max is not None:
+            (cg / "memory.max").write_text(cg_max + "\n")
+            (cg / "memory.current").write_text(f"{cg_current}\n")
+        return str(tmp_path / "meminfo"), str(cg)
+
+    assert not _memory_short(*files(20, 24))
+    assert _memory_short(*files(7, 24))
+    assert not _memory_short(*files(20, 24, "max", 5))              # no cgroup limit
+    assert _memory_short(*files(20, 24, str(10 * 2**30), 8 * 2**30))  # the cgroup's limit is the tighter one
+    assert not _memory_short(str(tmp_path / "none"), str(tmp_path / "none"))  # nothing to read: do not trim

@@ -1,5 +1,6 @@
 """Prompt data: verl parquet/jsonl and plain jsonl, chat template, overlong filtering, errors, resumable batches."""
 
+import copy
 import json
 
 import pyarrow as pa
@@ -150,7 +151,13 @@ def test_sd_comparison_times_the_next_rollout_not_the_last():
     prompts, params = next_rollout(trainer)
     assert (data.epoch, data.position) == (0, 12)  # not advanced
     assert [p.index for p in next_rollout(trainer)[0]] == [p.index for p in prompts]
-    assert [p.index for p in prompts] == [p.index for p in data.next_batch()]  # what step 4 would roll out
+    assert [p.index for p in prompts] == [p.index for p in data.peek_batch()]  # what step 4 would roll out
+    assert [p.index for p in prompts] == [p.index for p in copy.copy(data).next_batch()]
     assert [p.seed for p in params] == [rollout_seed(cfg.trainer.seed, 4) + j * 4 for j in range(4)]
     assert {p.seed for p in params}.isdisjoint(p.seed for p in last[1])
     assert not any(p.return_hidden_states for p in params) and all(p.n == 4 for p in params)
+    # rank 1 of two: its half of the same global batch, seeds numbered from its first prompt
+    trainer.dist.rank, trainer.prompts_per_rank = 1, 2
+    prompts1, params1 = next_rollout(trainer)
+    assert [p.index for p in prompts1] == [p.index for p in data.peek_batch()[2:]]
+    assert [p.seed for p in params1] == [rollout_seed(cfg.trainer.seed, 4) + j * 4 for j in (2, 3)]

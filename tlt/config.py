@@ -204,7 +204,8 @@ class TrainerConfig:
     retain_freed_memory: bool | None = _f(
         None, "keep host memory the policy update frees in the trainer process for reuse (glibc: large blocks from "
               "the heap, never trimmed) instead of page-faulting GBs back from the OS every micro-batch; resident "
-              "memory stays at the step's peak; null = true when the policy is on CPU (docs/design.md §10)")
+              "memory stays near the largest peak so far, plus fragmentation; null = true when the policy is on CPU "
+              "(docs/design.md §10)")
 
 
 @dataclass

@@ -55,16 +55,29 @@ def retain_freed_host_memory() -> bool:
     returns whether it applied). glibc serves a large block with its own mmap and unmaps it on free, and trims the
     heap's free top: a CPU policy update allocates and frees GBs of activations and gradients each micro-batch, so
     every one of their pages is faulted in and zeroed again by the kernel (docs/design.md §10). After this call
-    large blocks come from the heap (M_MMAP_MAX = 0) and the heap is never trimmed (M_TRIM_THRESHOLD = -1), so
-    freed blocks are reused in place; resident memory stays at the process's peak."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
+    large blocks come from the main heap (M_MMAP_MAX = 0) and it is never trimmed (M_TRIM_THRESHOLD = -1), so
+    freed blocks are reused in place. Resident memory then stays near the largest peak so far, plus what small
+    allocations splitting freed blocks add. Threads other than the main one allocate from pools of their own,
+    where blocks over 64 MiB are still mapped and unmapped."""
+    mallopt = _glibc("mallopt")
     m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
-    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, -1))
+    return mallopt is not None and bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, -1))
+
+
+def trim_host_memory() -> None:
+    """Hand the memory glibc's malloc holds but no allocation uses back to the OS (malloc_trim; a no-op elsewhere)."""
+    if (malloc_trim := _glibc("malloc_trim")) is not None:
+        malloc_trim(0)
+
+
+def _glibc(name: str):
+    """A function of this process's glibc, or None where the C library is not glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
 
 
 def host_tensor(data, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:

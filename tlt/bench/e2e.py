@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from tlt.bench.common import print_json_line, print_table
+from tlt.device import trim_host_memory
 
 MODES = ("off", "always", "adaptive", "adaptive_rej", "frozen", "ngram")  # adaptive_rej: acceptance=rejection
 DEFAULT_MODES = ("off", "always", "adaptive")  # each mode is a whole trainer process: ~5 GB for the default model
@@ -126,27 +127,32 @@ class RecordingHook:
         return getattr(self.inner, name)
 
 
-def _memory_short() -> bool:
-    """Whether less than a third of the machine's memory is available (Linux /proc/meminfo; False elsewhere)."""
+def _memory_short(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> bool:
+    """Whether less than a third of the memory this process may use is available: the machine's (MemAvailable of
+    MemTotal) or, when tighter, its cgroup's (memory.max less memory.current); False where neither can be read."""
+    fractions = []
     try:
-        with open("/proc/meminfo") as f:
+        with open(meminfo) as f:
             info = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)}
-        return info["MemAvailable"] < info["MemTotal"] / 3
-    except (OSError, KeyError, ValueError):
-        return False
+        fractions.append(info["MemAvailable"] / info["MemTotal"])
+    except (OSError, KeyError, ValueError, ZeroDivisionError):
+        pass
+    try:
+        with open(f"{cgroup}/memory.max") as f, open(f"{cgroup}/memory.current") as g:
+            limit, used = f.read().strip(), int(g.read())
+        if limit != "max":
+            fractions.append((int(limit) - used) / int(limit))
+    except (OSError, ValueError, ZeroDivisionError):
+        pass
+    return bool(fractions) and min(fractions) < 1 / 3
 
 
 def _release_free_memory() -> None:
-    """Hand memory the allocator holds but no tensor uses back to the OS (glibc malloc_trim; a no-op elsewhere), but
-    only when memory is short: a trainer keeps its update's freed memory for the next update
-    (trainer.retain_freed_memory), and trimming it would make the bench pay page faults a real run does not."""
-    if not _memory_short():
-        return
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    """Hand a waiting mode's freed memory back to the OS, but only when memory is short: a trainer keeps its
+    update's freed memory for the next update (trainer.retain_freed_memory), and trimming it would charge the
+    bench's modes page faults a real run does not pay."""
+    if _memory_short():
+        trim_host_memory()
 
 
 class TurnLogger:
@@ -170,7 +176,8 @@ def _worker(cfg, threads: int, conn) -> None:
     try:
         import torch
         torch.set_num_threads(threads)
-        from tlt.rl.trainer import GRPOTrainer
+        from tlt.rl.trainer import GRPOTrainer, retain_freed_memory_for
+        retain_freed_memory_for(cfg)
         trainer = GRPOTrainer(cfg)
         hook = RecordingHook(trainer.drafter_hook)
         trainer.drafter_hook = hook

@@ -219,12 +219,22 @@ class PromptDataset:
         return order
 
     def next_batch(self) -> list[PromptExample]:
-        if self.position + self.batch_size > len(self.examples):
-            self.epoch, self.position = self.epoch + 1, 0
-        order = self._order(self.epoch)
-        batch = [self.examples[i] for i in order[self.position:self.position + self.batch_size]]
+        self.epoch, self.position = self._next_start()
+        batch = self.peek_batch()
         self.position += self.batch_size
         return batch
+
+    def peek_batch(self) -> list[PromptExample]:
+        """The batch next_batch() would return, without moving the stream."""
+        epoch, position = self._next_start()
+        order = self._order(epoch)
+        return [self.examples[i] for i in order[position:position + self.batch_size]]
+
+    def _next_start(self) -> tuple[int, int]:
+        """(epoch, position) of the next batch: the next epoch's start when this one has no full batch left."""
+        if self.position + self.batch_size > len(self.examples):
+            return self.epoch + 1, 0
+        return self.epoch, self.position
 
     def iter_batches(self, batch_size: int | None = None) -> Iterator[list[PromptExample]]:
         size = batch_size or self.batch_size

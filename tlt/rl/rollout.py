@@ -128,6 +128,18 @@ class ActorBatch:
                           self.group_ids[index], self.temperature, ref)
 
 
+def rollout_request(batch: Sequence[PromptExample], cfg, step: int, attempt: int, rank: int, per_rank: int,
+                    return_hidden_states: bool = False) -> tuple[list[PromptExample], list[SamplingParams]]:
+    """This rank's share of a step's global prompt batch and their sampling params: the config's rollout settings,
+    the seeds of (trainer.seed, step, attempt). cfg: a tlt.config.Config."""
+    r = cfg.rollout
+    prompts = list(batch[rank * per_rank:(rank + 1) * per_rank])  # the same global batch on every rank
+    params = sampling_params_for(len(prompts), r.n, r.temperature, r.top_p, r.top_k, cfg.data.max_response_length,
+                                 rollout_seed(cfg.trainer.seed, step, attempt), first_prompt=rank * per_rank,
+                                 return_hidden_states=return_hidden_states)
+    return prompts, params
+
+
 def sampling_params_for(num_prompts: int, n: int, temperature: float, top_p: float, top_k: int, max_tokens: int,
                         base_seed: int, first_prompt: int, return_hidden_states: bool = False) -> list[SamplingParams]:
     """One SamplingParams per prompt; sample i of global prompt j uses seed base_seed + j * n + i."""

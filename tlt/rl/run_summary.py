@@ -9,7 +9,6 @@ policy's last small update barely changes, and overstate what SD gives a run (do
 """
 from __future__ import annotations
 
-import copy
 import json
 import math
 import time
@@ -58,16 +57,10 @@ def compare_sd(trainer) -> dict[str, Any] | None:
 
 def next_rollout(trainer) -> tuple[list, list]:
     """(prompts, sampling params) of this rank's share of the rollout step total_steps + 1 would sample: the next
-    training prompts (the data's position is not advanced) and that step's seeds, without hidden states."""
-    from tlt.rl.rollout import rollout_seed, sampling_params_for
-    cfg, r = trainer.cfg, trainer.cfg.rollout
-    rank, per = trainer.dist.rank, trainer.prompts_per_rank
-    data = copy.copy(trainer.train_data)  # next_batch moves only the copy's epoch and position
-    prompts = data.next_batch()[rank * per:(rank + 1) * per]
-    seed = rollout_seed(cfg.trainer.seed, cfg.trainer.total_steps + 1)
-    params = sampling_params_for(len(prompts), r.n, r.temperature, r.top_p, r.top_k, cfg.data.max_response_length,
-                                 seed, first_prompt=rank * per)
-    return prompts, params
+    training prompts (the data stream does not move) and that step's seeds, without hidden states."""
+    from tlt.rl.rollout import rollout_request
+    return rollout_request(trainer.train_data.peek_batch(), trainer.cfg, trainer.cfg.trainer.total_steps + 1, 0,
+                           trainer.dist.rank, trainer.prompts_per_rank)
 
 
 def _finite(x: float) -> float | None:

@@ -66,7 +66,7 @@ from tlt.rl.launch import (DistInfo, check_launch, check_ranks, config_device, g
                            prepare_config, train_on_placement)
 from tlt.rl.logging import MetricsLogger, PhaseTimer, flat_numbers, reduce_metrics, rollout_metrics
 from tlt.rl.rewards import RewardManager
-from tlt.rl.rollout import ActorBatch, RolloutBatch, generate_rollouts, rollout_seed, sampling_params_for
+from tlt.rl.rollout import ActorBatch, RolloutBatch, generate_rollouts, rollout_request
 from tlt.rl.sharded_checkpoint import SHARDS_DIR, consolidated, load_sharded, save_sharded
 from tlt.rl.weight_sync import SyncStats, rollout_state_dict, sync_weights
 
@@ -104,8 +104,6 @@ class GRPOTrainer:
             print(format_config(cfg), flush=True)  # resolved: the default model, data and drafter filled in
         d, t = cfg.data, cfg.trainer
         self.device = torch.device("cuda", self.dist.local_rank) if device.type == "cuda" else device
-        if retains_freed_memory(t.retain_freed_memory, self.device):
-            retain_freed_host_memory()
         torch.manual_seed(t.seed)
         self.run_dir = Path(t.default_local_dir) / t.project_name / t.experiment_name
         self.ckpt = CheckpointManager(self.run_dir, t.max_ckpt_to_keep)
@@ -212,11 +210,8 @@ class GRPOTrainer:
         reward_metrics: list[dict[str, float]] = []
         num_kept = num_dropped = attempt = 0
         while True:
-            prompts = self.train_data.next_batch()[rank * per:(rank + 1) * per]  # same global batch on every rank
-            seed = rollout_seed(self.cfg.trainer.seed, step, attempt)
-            params = sampling_params_for(len(prompts), r.n, r.temperature, r.top_p, r.top_k,
-                                         self.cfg.data.max_response_length, seed, first_prompt=rank * per,
-                                         return_hidden_states=self.drafter_hook.wants_hidden_states)
+            prompts, params = rollout_request(self.train_data.next_batch(), self.cfg, step, attempt, rank, per,
+                                              self.drafter_hook.wants_hidden_states)
             first_group = attempt * self.cfg.data.train_batch_size + rank * per
             with timer("gen"):
                 if self.rollout_engine is not self.llm:  # replicas hold their own copy of the policy
@@ -466,9 +461,24 @@ def spot_training(setting: bool | None, device: torch.device, world_size: int = 
 
 
 def retains_freed_memory(setting: bool | None, device: torch.device) -> bool:
-    """trainer.retain_freed_memory: true, false, or null = true where the policy update runs on CPU (on CUDA its
-    tensors live in the CUDA caching allocator, which keeps freed blocks anyway)."""
+    """trainer.retain_freed_memory: true, false, or null = true where the policy is on CPU (on CUDA its tensors live
+    in the CUDA caching allocator, which keeps freed blocks anyway)."""
     return device.type == "cpu" if setting is None else setting
+
+
+def retain_freed_memory_for(cfg: Config) -> None:
+    """Apply trainer.retain_freed_memory to this process: a trainer process's setting, called by the processes that
+    run a trainer (`run_rank`, `tlt bench e2e`'s workers), not by GRPOTrainer, which may live in a caller's process.
+    Says so when it applies; warns when asked for and unavailable (not glibc)."""
+    setting = cfg.trainer.retain_freed_memory
+    if not retains_freed_memory(setting, config_device(cfg)):
+        return
+    if retain_freed_host_memory():
+        print("tlt: the policy update's freed host memory stays in this process for reuse "
+              "(trainer.retain_freed_memory)", flush=True)
+    elif setting:
+        print("tlt: trainer.retain_freed_memory=true has no effect here: it needs glibc's malloc", file=sys.stderr,
+              flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -493,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_rank(cfg: Config, placed: bool = True) -> dict[str, Any] | None:
     """Train as this process's rank; rank 0 also writes the run report and returns the summary (others None)."""
+    retain_freed_memory_for(cfg)
     trainer = GRPOTrainer(cfg, placed=placed)
     summary = trainer.fit()
     if trainer.dist.is_main:
