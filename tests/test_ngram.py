@@ -48,6 +48,20 @@ def test_siblings_and_history():
         d.register("c", "g2", "p", [1])
 
 
+def test_clear_history_forgets_earlier_responses():
+    """A re-run of the same request must not draft from its own earlier response. Control: without clearing, it
+    does (the whole response comes back as a draft)."""
+    for clear in (False, True):
+        d = NgramDrafter(max_n=2, min_n=2, num_draft_tokens=4)
+        d.register("a", "g1", "p", [100, 101, 1, 2, 3, 4, 5])
+        d.finish("a")
+        if clear:
+            d.clear_history()
+        d.register("b", "g2", "p", [100, 101])
+        assert d.propose("b") == ([] if clear else [1, 2, 3, 4])
+        assert d.stats()["history_prompts"] == (0 if clear else 1)
+
+
 def test_history_is_bounded():
     d = NgramDrafter(max_history=2, max_history_prompts=3)
     for i in range(10):

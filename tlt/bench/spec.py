@@ -59,6 +59,9 @@ def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens,
         def go():
             if llm.spec is not None:
                 llm.spec.reset_stats()
+                # every round decodes the same seeded requests: the n-gram drafter's history of earlier responses
+                # to these prompts would hold the very responses it is about to draft
+                llm.spec.ngram.clear_history()
             return llm.generate(batch, params)
         return go
     timed = interleaved_times({name: runner(llm) for name, llm in llms.items()}, repeats)

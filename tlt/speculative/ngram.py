@@ -78,6 +78,12 @@ class NgramDrafter:
                 del self.seqs[m]
             del self.groups[seq.group_id], self.group_history[seq.group_id]
 
+    def clear_history(self) -> None:
+        """Forget the earlier responses to each prompt (pool 3); running groups keep what they indexed at start.
+        A benchmark that decodes the same seeded requests again calls it: the history would hold the very
+        responses being decoded."""
+        self.history.clear()
+
     def _get(self, seq_id: Hashable) -> _Seq:
         if seq_id not in self.seqs or self.seqs[seq_id].done:
             raise KeyError(f"sequence {seq_id!r} is not running: register() it first (finished ones are history)")
