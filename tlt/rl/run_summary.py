@@ -4,8 +4,8 @@
 seeds) twice, on the trained policy: once on a plain engine built on the same weights (no SD) and once on the
 training engine (adaptive SD with the current drafter and the bandit as it ended the run). Both are exact samplers
 of the same policy: seeded requests give the same tokens. The drafter has never trained on these responses.
-Re-running the final step's rollout instead would time the drafter on responses it had just trained on, which the
-policy's last small update barely changes, and overstate what SD gives a run (docs/design.md §11).
+Re-running the final step's rollout instead would decode responses the online drafter had just trained on and the
+n-gram drafter's history holds, and overstate what SD gives a run (docs/design.md §11).
 """
 from __future__ import annotations
 
