@@ -131,7 +131,7 @@ def test_no_final_sd_comparison_on_a_disaggregated_gpu_rank(capsys):
     from tlt.rl.data import PromptDataset, PromptExample
     from tlt.rl.run_summary import compare_sd
     data = PromptDataset([PromptExample(index=0, data_source="d", messages=[], ground_truth=None, prompt_ids=[1])], 1)
-    fake = SimpleNamespace(llm=SimpleNamespace(spec=object()), last_rollout=([], []), engine_on_host=True,
+    fake = SimpleNamespace(llm=SimpleNamespace(spec=object()), start_step=0, engine_on_host=True,
                            device=torch.device("cuda", 0), rollout_model=object(), tokenizer=None,
                            cfg=load_config(None), train_data=data, prompts_per_rank=1, dist=SimpleNamespace(rank=0))
     assert compare_sd(fake) is None

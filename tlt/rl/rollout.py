@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from tlt.engine.outputs import RequestOutput
 from tlt.engine.params import SamplingParams
 from tlt.rl.data import PromptExample
+
+if TYPE_CHECKING:
+    from tlt.config import Config
 
 
 def rollout_seed(seed: int, step: int, attempt: int = 0) -> int:
@@ -128,10 +131,10 @@ class ActorBatch:
                           self.group_ids[index], self.temperature, ref)
 
 
-def rollout_request(batch: Sequence[PromptExample], cfg, step: int, attempt: int, rank: int, per_rank: int,
+def rollout_request(batch: Sequence[PromptExample], cfg: Config, step: int, attempt: int, rank: int, per_rank: int,
                     return_hidden_states: bool = False) -> tuple[list[PromptExample], list[SamplingParams]]:
     """This rank's share of a step's global prompt batch and their sampling params: the config's rollout settings,
-    the seeds of (trainer.seed, step, attempt). cfg: a tlt.config.Config."""
+    the seeds of (trainer.seed, step, attempt)."""
     r = cfg.rollout
     prompts = list(batch[rank * per_rank:(rank + 1) * per_rank])  # the same global batch on every rank
     params = sampling_params_for(len(prompts), r.n, r.temperature, r.top_p, r.top_k, cfg.data.max_response_length,

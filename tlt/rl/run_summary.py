@@ -19,7 +19,7 @@ from typing import Any
 def compare_sd(trainer) -> dict[str, Any] | None:
     """{with_sd_s, without_sd_s, speedup, accept_length, ...} for the next step's rollout, or None without SD."""
     from tlt.llm import LLM
-    if trainer.llm.spec is None or trainer.last_rollout is None:
+    if trainer.llm.spec is None or trainer.start_step >= trainer.cfg.trainer.total_steps:  # no step ran here
         return None
     if getattr(trainer, "engine_on_host", False) and trainer.device.type == "cuda":
         # a disaggregated trainer rank's engine copy is in host memory (docs/design.md §13): timing it there would

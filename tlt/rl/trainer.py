@@ -132,7 +132,6 @@ class GRPOTrainer:
                        **cfg.engine_args())
         self.drafter_hook = drafter_hook or self._default_drafter_hook()
         self.rollout_engine = self._rollout_engine()  # self.llm, or rollout replicas with spot drafter training
-        self.last_rollout: tuple[list, list] | None = None  # (prompts, sampling params) of the latest rollout
         self.start_step = self._resume(resume_dir) if resume_dir else 0
         self.logger = MetricsLogger(t, self.run_dir, t.total_steps, self.start_step, self.dist.is_main, cfg)
 
@@ -226,7 +225,6 @@ class GRPOTrainer:
                 batch, outs = generate_rollouts(self.rollout_engine, prompts, params, first_group)
                 if self.rollout_engine is not self.llm:
                     reward_metrics.append(self.rollout_engine.last_report.metrics())
-            self.last_rollout = (prompts, params)
             with timer("reward"):
                 result = self.rewards.score(batch.examples, batch.texts)
             batch.scores = result.scores
