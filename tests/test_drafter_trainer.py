@@ -266,3 +266,54 @@ def test_ttt_steps_reach_the_online_and_replica_trainers(tiny_llama_dir, tmp_pat
     run = Config()
     run.drafter_train.ttt_steps = 3
     assert ReplicaConfig.from_config(run).ttt_steps == 3
+
+
+@pytest.mark.parametrize("spot", [False, True])
+def test_rounds_back_off_while_sd_saves_nothing_and_rounds_gain_nothing(tiny_llama_dir, tmp_path, spot):
+    """drafter_train.backoff_max_steps (docs/design.md §5): after a round that did not raise the held-out accept
+    length and a rollout where SD saved no time, the next 1, 2, 4, ... rounds are skipped, at most backoff_max_steps
+    in a row, and the state survives a checkpoint. Controls: with backoff_max_steps=0, with SD saving time, or with
+    rounds that gain, a round runs every step."""
+    import itertools
+
+    import tlt
+    from tlt.config import DrafterTrainConfig
+    from tlt.drafter_train.online import OnlineDrafterHook
+    from tlt.speculative.drafter_io import save_drafter
+
+    plain = tlt.LLM(tiny_llama_dir, dtype="float32")
+    drafter_dir = save_drafter(Drafter(plain.engine.model.cfg), tmp_path / "d")
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", speculative_config={"method": "eagle", "model": str(drafter_dir)})
+    outs = plain.generate([[3, 5, 7, 9]] * 8, tlt.SamplingParams(temperature=1.0, max_tokens=24, seed=1,
+                                                               return_hidden_states=True, ignore_eos=True))
+
+    def rounds(backoff_max_steps: int, sd_saved_s: float, gains: bool, steps: int = 14):
+        cfg = DrafterTrainConfig(min_buffer_tokens=0, batch_tokens=64, window_len=16, holdout_fraction=0.25,
+                                 compare_drafters=False, backoff_max_steps=backoff_max_steps)
+        hook = OnlineDrafterHook(cfg, llm.spec, spot=spot)
+        calls = itertools.count()  # held-out accept length: +10% a round when rounds gain, else flat
+        hook.trainer.evaluate = lambda batch: {"acc": 0.5,
+                                               "accept_proxy": 1.5 * 1.1 ** ((next(calls) + 1) // 2 * gains)}
+        ran = []
+        for step in range(1, steps + 1):
+            hook.before_rollout(step)
+            llm.spec.reset_stats()  # "the rollout": SD saved sd_saved_s seconds
+            llm.spec.st["plain_equiv_s"] = sd_saved_s
+            hook.rollout_done(step)
+            if hook.after_rollout(step, None, outs)["drafter/steps"] > 0:
+                ran.append(step)
+        return ran, hook
+
+    ran, hook = rounds(8, 0.0, gains=False)
+    assert [b - a - 1 for a, b in zip(ran, ran[1:])] == [1, 2, 4], ran  # skipped rounds between the ones that ran
+    assert hook.skip_left > 0
+    resumed = OnlineDrafterHook(hook.cfg, llm.spec, spot=spot)
+    resumed.load_state_dict(hook.state_dict())
+    assert (resumed.backoff_gap, resumed.skip_left) == (hook.backoff_gap, hook.skip_left)
+    ran, _ = rounds(2, 0.0, gains=False)
+    assert [b - a - 1 for a, b in zip(ran, ran[1:])][:4] == [1, 2, 2, 2], ran  # capped
+    first = 1 + spot  # a spot round trains during the next step's rollout
+    every_step = list(range(first, 15))
+    assert rounds(0, 0.0, gains=False)[0] == every_step   # control: no back-off
+    assert rounds(8, 0.5, gains=False)[0] == every_step   # control: SD saved time
+    assert rounds(8, 0.0, gains=True)[0] == every_step    # control: the rounds raise the accept length

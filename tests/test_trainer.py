@@ -437,10 +437,11 @@ def test_smoke_recipe_with_eagle_sd_and_online_drafter(tmp_path, monkeypatch, ca
     monkeypatch.chdir(REPO)  # the recipe's data paths are relative to the repository root
     retained = []  # trainer.retain_freed_memory (null: on CPU) reaches the process that trains, once
     monkeypatch.setattr("tlt.rl.trainer.retain_freed_host_memory", lambda: retained.append(1) or True)
-    # close_buckets=false: the tiny target's SD does not pay, and closed buckets would leave the drafter no data
+    # close_buckets=false, backoff_max_steps=0: the tiny target's SD does not pay, and closed buckets would leave the
+    # drafter no data, the back-off would skip rounds and comparisons this test counts
     assert main(["configs/smoke.yaml", f"trainer.default_local_dir={tmp_path}", "trainer.logger=[jsonl]",
                  "trainer.total_steps=3", "trainer.save_freq=-1", "trainer.test_freq=3",
-                 "speculative.close_buckets=false"]) == 0
+                 "speculative.close_buckets=false", "drafter_train.backoff_max_steps=0"]) == 0
     assert retained == [1]
     run_dir = tmp_path / "tlt" / "smoke"
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -162,6 +162,11 @@ class DrafterTrainConfig:
     warmup_steps: int = _f(80, "warm-up drafter: optimiser steps", ge=1)
     warmup_temperatures: list[float] = _f([1.0], "warm-up drafter: sampling temperatures (the RL temperature is the "
                                                  "one that matters; the default drafter's build uses 1.0)")
+    backoff_max_steps: int = _f(
+        8, "in-process runs: after a round that did not raise the held-out accept length by 5% and a rollout where "
+           "SD saved no time, skip the next 1, 2, 4, ... rounds (at most this many in a row; the skipped steps' data "
+           "waits for the next round): a round shares the rollout's machine and reopens the bandit's closed "
+           "buckets; 0 = a round every every_k_steps (docs/design.md §5)", ge=0)
     spot: bool | None = _f(
         None, "in-process runs: true = train the drafter on the steps so far in a thread alongside the next rollout, "
                 "on compute the rollout leaves idle (TLT's spot training; published after that rollout, so drafts "

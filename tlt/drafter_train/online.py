@@ -24,6 +24,14 @@ trains what a spot=false round trains; steps left for after the update see the u
 (compare_drafters) runs in that thread too, on the previous step's held-out responses, and is logged with the
 step whose rollout it ran alongside (drafter/compare/rl_step names the responses' step).
 
+Back-off (drafter_train.backoff_max_steps): a round is not free here. It shares the rollout's machine (a thread
+on the "idle" core slowed a 2-core CPU's rollout by 5-15%: docs/results/spot_contention_cpu-zen4_2026-11-26.txt), or
+runs on top of the step, and each publish reopens the bandit's closed buckets, whose exploration and capture then
+cost the next rollout again. So after a round whose held-out accept length did not rise by BACKOFF_MIN_GAIN and a
+rollout where SD saved no time (spec_net_saved_s <= 0), the next 1, then 2, 4, ... rounds are skipped (at most
+backoff_max_steps in a row); a rollout where SD saved time, or a round that gained, ends the back-off. The skipped
+steps' data stays in the buffer for the next round (docs/design.md §5).
+
 The hook's checkpoint state is the published drafter weights, the optimiser, the sampling generator, the
 counters and the buffer (its hidden states too: a resumed run must train on what the uninterrupted one would, to
 end with the same drafter; save_buffer=False leaves it out, and it refills from the next rollouts).
@@ -50,6 +58,7 @@ from tlt.speculative.drafter import Drafter
 from tlt.speculative.drafter_io import save_drafter
 
 HELDOUT_BATCHES = 4  # held-out evaluation uses at most this many packed rows of batch_tokens (newest samples)
+BACKOFF_MIN_GAIN = 0.05  # a round "gained" when the held-out accept length rose by this fraction (see the doc)
 
 
 class OnlineDrafterHook(DrafterHook):
@@ -87,12 +96,15 @@ class OnlineDrafterHook(DrafterHook):
         self._may_run.set()
         self._paused = threading.Event()   # set by the spot round while it waits for _may_run
         self._yield_s = 0.0                 # what rollout_done waited for the round's step in flight
+        self.backoff_gap = 0   # rounds skipped after the latest round that neither gained nor followed a paying rollout
+        self.skip_left = 0     # of those, still to skip
+        self._round_gained: bool | None = None  # set by _finish: this step's round raised the accept length enough
 
     # ---- the hook ----------------------------------------------------------------------------------------
     def before_rollout(self, step: int) -> None:
         """spot: in a thread alongside this rollout, compare the drafters on the previous step's held-out responses
         (if compare_drafters) and run the round on the steps so far (if one is due)."""
-        compare_due = self.frozen is not None and bool(self.fresh_heldout)
+        compare_due = self._compare_due()
         train_due = self._due(self.last_step)
         if self.spot and (compare_due or train_due):
             result: dict[str, Any] = {}
@@ -125,6 +137,7 @@ class OnlineDrafterHook(DrafterHook):
     def after_rollout(self, step: int, rollout: Any, outputs: list[RequestOutput]) -> dict[str, float]:
         metrics = {"drafter/steps": 0.0, "drafter/train_time_s": 0.0, "drafter/published": 0.0}
         self._may_run.set()
+        self._round_gained = None
         if self._pending is not None:  # the spot round that ran alongside this rollout: publish it now
             thread, result = self._pending
             t0 = time.perf_counter()
@@ -141,10 +154,11 @@ class OnlineDrafterHook(DrafterHook):
         self.add_outputs(step, outputs)
         metrics["drafter/buffer_time_s"] = time.perf_counter() - t0
         self.last_step = step
-        if not self.spot and self.frozen is not None and self.fresh_heldout:  # spot: in the next step's thread
+        if not self.spot and self._compare_due():  # spot: in the next step's thread
             metrics.update(self.compare_drafters())
         if not self.spot and self._due(step):
             metrics.update(self.train_session(step))
+        metrics |= self._back_off()
         metrics |= self.last_train  # loss/acc of the latest round, so the curves have a value every step
         metrics.update({"drafter/version": float(self.version), "drafter/buffer_tokens": float(self.buffer.num_tokens)})
         return metrics
@@ -182,8 +196,26 @@ class OnlineDrafterHook(DrafterHook):
                 "drafter/compare/time_s": time.perf_counter() - t0}
 
     def _due(self, step: int) -> bool:
-        return (step > 0 and step % self.cfg.every_k_steps == 0 and self.new_tokens > 0
+        return (step > 0 and step % self.cfg.every_k_steps == 0 and self.new_tokens > 0 and not self.skip_left
                 and self.buffer.num_train_tokens() >= self.cfg.min_buffer_tokens)
+
+    def _compare_due(self) -> bool:
+        """The drafter comparison (a diagnostic) runs with the rounds: not while they back off."""
+        return self.frozen is not None and bool(self.fresh_heldout) and not self.skip_left
+
+    def _back_off(self) -> dict[str, float]:
+        """Update the back-off after this step's rollout and round (see the module doc); its metric."""
+        if not self.cfg.backoff_max_steps:
+            return {}
+        if self.spec.stats()["spec_net_saved_s"] > 0:  # SD paid in this rollout: the drafter is worth training
+            self.backoff_gap = self.skip_left = 0
+        elif self._round_gained is not None:  # a round finished this step
+            self.backoff_gap = 0 if self._round_gained else min(max(1, 2 * self.backoff_gap),
+                                                                 self.cfg.backoff_max_steps)
+            self.skip_left = self.backoff_gap
+        elif self.skip_left:
+            self.skip_left -= 1
+        return {"drafter/backoff_skip": float(self.skip_left)}
 
     def session_steps(self) -> int:
         steps = max(1, math.ceil(self.new_tokens / self.cfg.batch_tokens))
@@ -227,6 +259,9 @@ class OnlineDrafterHook(DrafterHook):
             self.drafter.load_state_dict(snapshot, strict=False)  # refused: keep training from the published one
         out = {"drafter/steps": float(stats.steps), "drafter/published": float(publish),
                "drafter/train_time_s": seconds}
+        # no held-out data: no evidence that training stopped paying, so no back-off
+        self._round_gained = (old is None or new is None
+                              or new["accept_proxy"] >= (1 + BACKOFF_MIN_GAIN) * old["accept_proxy"])
         if stats.last is not None:
             self.last_train = {"drafter/loss": stats.last.loss, "drafter/acc": stats.last.acc}
         if new is not None:
@@ -245,6 +280,7 @@ class OnlineDrafterHook(DrafterHook):
         return {"drafter": published, "optimizer": self.trainer.opt.state_dict(), "version": self.version,
                 "drafter_steps": self.trainer.total_steps, "generator": self.trainer.generator.get_state(),
                 "last_train": dict(self.last_train), "new_tokens": self.new_tokens, "last_step": self.last_step,
+                "backoff": [self.backoff_gap, self.skip_left],
                 "buffer": self.buffer.state_dict() if self.save_buffer else None,
                 "frozen": None if self.frozen is None else {k: v.detach().to("cpu", copy=True) for k, v in
                                                             self.frozen.drafter.trainable_state_dict().items()}}
@@ -267,6 +303,7 @@ class OnlineDrafterHook(DrafterHook):
         if state.get("buffer") is not None:  # left out by trainer.save_drafter_buffer=false: refills from rollouts
             self.buffer.load_state_dict(state["buffer"])
         self.new_tokens, self.last_step = int(state.get("new_tokens", 0)), int(state.get("last_step", 0))
+        self.backoff_gap, self.skip_left = state.get("backoff", [0, 0])
         if self.frozen is not None and state.get("frozen") is not None:  # the run's warm start, not the resumed one
             self.frozen.drafter.load_state_dict(state["frozen"], strict=False)
 
