@@ -317,3 +317,32 @@ def test_rounds_back_off_while_sd_saves_nothing_and_rounds_gain_nothing(tiny_lla
     assert rounds(0, 0.0, gains=False)[0] == every_step   # control: no back-off
     assert rounds(8, 0.5, gains=False)[0] == every_step   # control: SD saved time
     assert rounds(8, 0.0, gains=True)[0] == every_step    # control: the rounds raise the accept length
+
+
+def test_training_steps_with_a_draft_vocabulary_need_only_its_rows(target, buffer):
+    """A reduced draft vocabulary: a training step computes the target's logits on the draft vocabulary's rows only,
+    and its loss and gradient equal those of the whole-vocabulary product restricted to them; its top-1 counts hits
+    within the draft vocabulary. Control: a target distribution normalised over the whole vocabulary, as the loss
+    would be without the restriction, gives another loss."""
+    trainer = make_trainer(target)
+    trainer.drafter.d2t = torch.arange(0, 128, 2)  # the even ids
+    batch = buffer.sample_batch(2, 64, 0, torch.Generator().manual_seed(0))
+    grads = []
+    for full in (True, False):
+        trainer.drafter.zero_grad(set_to_none=True)
+        loss, correct, m = trainer._forward(batch, full_vocab_top1=full)
+        loss.backward()
+        grads.append([p.grad.clone() for p in trainer.params])
+        if full:
+            want = loss.item()
+    assert loss.item() == pytest.approx(want, rel=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # hits within the draft vocabulary: never fewer than against the whole vocabulary's argmax
+    assert m.acc >= trainer._forward(batch, full_vocab_top1=True)[2].acc
+    # control: the target's distribution normalised over every id, then restricted, is another distribution, so a
+    # restricted product normalised the wrong way would change the loss compared above
+    w, t = target.lm_head_weight.detach().float(), batch.target_hidden[batch.loss_mask].float()
+    whole = torch.nn.functional.linear(t, w).softmax(-1)[:, trainer.drafter.d2t]
+    rows = torch.nn.functional.linear(t, w[trainer.drafter.d2t]).softmax(-1)
+    assert not torch.allclose(whole, rows, atol=1e-4)

@@ -51,7 +51,8 @@ class StepMetrics:
     loss: float
     hidden_loss: float
     ce: float
-    acc: float          # top-1: argmax drafter logits == argmax target logits
+    acc: float          # top-1: argmax drafter logits == argmax target logits (training batches: over the draft
+                        # vocabulary's rows, EAGLE-3's training target; evaluation: over the whole vocabulary)
     tokens: int         # loss tokens in the batch
 
 
@@ -140,9 +141,13 @@ class DrafterTrainer:
         self.total_steps = 0
 
     # ---- loss ------------------------------------------------------------------------------------------
-    def _forward(self, batch: PackedBatch, passes: int | None = None) -> tuple[torch.Tensor, torch.Tensor, StepMetrics]:
+    def _forward(self, batch: PackedBatch, passes: int | None = None, full_vocab_top1: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, StepMetrics]:
         """Loss (scalar, with grad) and metrics for one packed batch, over `passes` unrolled passes (default
-        ttt_steps)."""
+        ttt_steps). With a reduced draft vocabulary the loss needs the target's logits on its rows only; the exact
+        top-1 hit (full_vocab_top1, what evaluation reports and the publish gate compares) needs the target's
+        argmax over the whole vocabulary, a [tokens, vocab] product that costs a training step more than half its
+        time on a CPU, so training steps score their top-1 within the draft vocabulary."""
         b = batch.to(self.device)
         dtype = next(self.drafter.parameters()).dtype
         amp = (torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype is not None
@@ -152,13 +157,17 @@ class DrafterTrainer:
         mask = b.loss_mask
         target = b.target_hidden[mask].float()                             # [N, H] loss tokens only
         w = self.drafter.target.lm_head_weight.detach()  # frozen, shared LM head, in its own dtype (no fp32 copy)
-        with torch.no_grad():
-            target_logits = F.linear(target.to(w.dtype), w).float()         # [N, V]
-            target_top1 = target_logits.argmax(-1)
-            if self.drafter.d2t is not None:  # reduced draft vocabulary: compare on its rows
-                target_logits = target_logits[:, self.drafter.d2t]
-            target_probs = target_logits.softmax(-1)
         w_draft = w if self.drafter.d2t is None else w[self.drafter.d2t]
+        with torch.no_grad():
+            if full_vocab_top1 or self.drafter.d2t is None:
+                target_logits = F.linear(target.to(w.dtype), w).float()     # [N, V]
+                target_top1 = target_logits.argmax(-1)
+                if self.drafter.d2t is not None:  # reduced draft vocabulary: compare on its rows
+                    target_logits = target_logits[:, self.drafter.d2t]
+            else:
+                target_logits = F.linear(target.to(w.dtype), w_draft).float()  # [N, V_draft]
+                target_top1 = self.drafter.to_target_ids(target_logits.argmax(-1))
+            target_probs = target_logits.softmax(-1)
         total = weights = 0.0
         for k, pred in enumerate(preds):
             # pass k + 1 exists where the k positions before t are in t's window (drafting depth k + 1 from there)
@@ -180,7 +189,7 @@ class DrafterTrainer:
     def train_step(self, batch: PackedBatch) -> StepMetrics:
         self.checkpointer.check()  # a failed background write stops training here, in this thread
         self.drafter.train()
-        loss, _, m = self._forward(batch)
+        loss, _, m = self._forward(batch, full_vocab_top1=False)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
