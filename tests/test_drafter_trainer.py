@@ -271,9 +271,10 @@ def test_ttt_steps_reach_the_online_and_replica_trainers(tiny_llama_dir, tmp_pat
 @pytest.mark.parametrize("spot", [False, True])
 def test_rounds_back_off_while_sd_saves_nothing_and_rounds_gain_nothing(tiny_llama_dir, tmp_path, spot):
     """drafter_train.backoff_max_steps (docs/design.md §5): after a round that did not raise the held-out accept
-    length and a rollout where SD saved no time, the next 1, 2, 4, ... rounds are skipped, at most backoff_max_steps
-    in a row, and the state survives a checkpoint. Controls: with backoff_max_steps=0, with SD saving time, or with
-    rounds that gain, a round runs every step."""
+    length and a rollout where SD saved no time, the next 1, 2, 4, ... rounds' turns are skipped, at most
+    backoff_max_steps in a row, with the drafter comparison; a skipped turn drops its training; the state survives
+    a checkpoint, and a run resumed with the back-off off trains again. Controls: with backoff_max_steps=0, with SD
+    saving time, or with rounds that gain, a round runs every turn."""
     import itertools
 
     import tlt
@@ -287,62 +288,91 @@ def test_rounds_back_off_while_sd_saves_nothing_and_rounds_gain_nothing(tiny_lla
     outs = plain.generate([[3, 5, 7, 9]] * 8, tlt.SamplingParams(temperature=1.0, max_tokens=24, seed=1,
                                                                return_hidden_states=True, ignore_eos=True))
 
-    def rounds(backoff_max_steps: int, sd_saved_s: float, gains: bool, steps: int = 14):
+    def make(backoff_max_steps: int, gains: bool, every_k_steps: int = 1, compare: bool = False):
         cfg = DrafterTrainConfig(min_buffer_tokens=0, batch_tokens=64, window_len=16, holdout_fraction=0.25,
-                                 compare_drafters=False, backoff_max_steps=backoff_max_steps)
+                                 compare_drafters=compare, backoff_max_steps=backoff_max_steps,
+                                 every_k_steps=every_k_steps)
         hook = OnlineDrafterHook(cfg, llm.spec, spot=spot)
         calls = itertools.count()  # held-out accept length: +10% a round when rounds gain, else flat
         hook.trainer.evaluate = lambda batch: {"acc": 0.5,
                                                "accept_proxy": 1.5 * 1.1 ** ((next(calls) + 1) // 2 * gains)}
-        ran = []
-        for step in range(1, steps + 1):
+        return hook
+
+    def run(hook, sd_saved_s: float, steps: range):
+        ran, steps_trained, compared = [], [], 0
+        for step in steps:
             hook.before_rollout(step)
             llm.spec.reset_stats()  # "the rollout": SD saved sd_saved_s seconds
             llm.spec.st["plain_equiv_s"] = sd_saved_s
             hook.rollout_done(step)
-            if hook.after_rollout(step, None, outs)["drafter/steps"] > 0:
+            m = hook.after_rollout(step, None, outs)
+            if m["drafter/steps"] > 0:
                 ran.append(step)
-        return ran, hook
+                steps_trained.append(m["drafter/steps"])
+            compared += "drafter/compare/tokens" in m
+        return ran, steps_trained, compared
 
-    ran, hook = rounds(8, 0.0, gains=False)
-    assert [b - a - 1 for a, b in zip(ran, ran[1:])] == [1, 2, 4], ran  # skipped rounds between the ones that ran
+    def rounds(backoff_max_steps: int, sd_saved_s: float, gains: bool, **kw):
+        return run(make(backoff_max_steps, gains, **kw), sd_saved_s, range(1, 15))[0]
+
+    def skipped(ran, k=1):  # turns skipped between the rounds that ran
+        return [(b - a) // k - 1 for a, b in zip(ran, ran[1:])]
+
+    hook = make(8, gains=False)
+    ran, steps_trained, _ = run(hook, 0.0, range(1, 15))
+    assert skipped(ran) == [1, 2, 4], ran
+    assert len(set(steps_trained)) == 1, steps_trained  # after a skip: one step's data, not the skipped ones' too
     assert hook.skip_left > 0
-    resumed = OnlineDrafterHook(hook.cfg, llm.spec, spot=spot)
+    resumed = make(8, gains=False)
     resumed.load_state_dict(hook.state_dict())
     assert (resumed.backoff_gap, resumed.skip_left) == (hook.backoff_gap, hook.skip_left)
-    ran, _ = rounds(2, 0.0, gains=False)
-    assert [b - a - 1 for a, b in zip(ran, ran[1:])][:4] == [1, 2, 2, 2], ran  # capped
+    # the uninterrupted hook and the resumed one go on alike; resumed with the back-off off, it trains at once
+    assert run(resumed, 0.0, range(15, 25))[0] == run(hook, 0.0, range(15, 25))[0]
+    off = make(0, gains=False)
+    off.load_state_dict(make(8, gains=False).state_dict() | {"backoff": [4, 4]})
+    assert run(off, 0.0, range(1, 4))[0] == list(range(1 + spot, 4))
+    assert skipped(rounds(2, 0.0, gains=False))[:4] == [1, 2, 2, 2]  # capped
+    assert skipped(rounds(8, 0.0, gains=False, every_k_steps=2), k=2) == [1, 2]  # turns, not steps
     first = 1 + spot  # a spot round trains during the next step's rollout
     every_step = list(range(first, 15))
-    assert rounds(0, 0.0, gains=False)[0] == every_step   # control: no back-off
-    assert rounds(8, 0.5, gains=False)[0] == every_step   # control: SD saved time
-    assert rounds(8, 0.0, gains=True)[0] == every_step    # control: the rounds raise the accept length
+    assert rounds(0, 0.0, gains=False) == every_step   # control: no back-off
+    assert rounds(8, 0.5, gains=False) == every_step   # control: SD saved time
+    assert rounds(8, 0.0, gains=True) == every_step    # control: the rounds raise the accept length
+    # the drafter comparison skips with the rounds (control: every step without the back-off)
+    compared = [run(make(m, gains=False, compare=True), 0.0, range(1, 15))[2] for m in (8, 0)]
+    assert 0 < compared[0] < compared[1], compared
 
 
-def test_training_steps_with_a_draft_vocabulary_need_only_its_rows(target, buffer):
-    """A reduced draft vocabulary: a training step computes the target's logits on the draft vocabulary's rows only,
-    and its loss and gradient equal those of the whole-vocabulary product restricted to them; its top-1 counts hits
-    within the draft vocabulary. Control: a target distribution normalised over the whole vocabulary, as the loss
-    would be without the restriction, gives another loss."""
+def test_training_steps_with_a_draft_vocabulary_need_only_its_rows(target, buffer, monkeypatch):
+    """A reduced draft vocabulary: a training step multiplies the target's states by the draft vocabulary's rows of
+    the LM head only (no [tokens, vocab] product), and its loss and gradient equal those of the whole-vocabulary
+    product restricted to them; evaluation keeps the whole product (its exact top-1). Control: normalising the
+    target's distribution over the whole vocabulary, then restricting it, gives another distribution, so a
+    restricted product normalised the wrong way would change the loss compared here."""
+    import tlt.drafter_train.trainer as trainer_module
+
     trainer = make_trainer(target)
     trainer.drafter.d2t = torch.arange(0, 128, 2)  # the even ids
+    head = target.lm_head_weight
     batch = buffer.sample_batch(2, 64, 0, torch.Generator().manual_seed(0))
-    grads = []
+    whole_products = []
+    linear = trainer_module.F.linear
+    monkeypatch.setattr(trainer_module.F, "linear", lambda x, w, *a: whole_products.append(
+        w.shape == head.shape and w.data_ptr() == head.data_ptr()) or linear(x, w, *a))
+    results = {}
     for full in (True, False):
+        whole_products.clear()
         trainer.drafter.zero_grad(set_to_none=True)
-        loss, correct, m = trainer._forward(batch, full_vocab_top1=full)
+        loss, _, m = trainer._forward(batch, full_vocab_top1=full)
         loss.backward()
-        grads.append([p.grad.clone() for p in trainer.params])
-        if full:
-            want = loss.item()
-    assert loss.item() == pytest.approx(want, rel=1e-5)
-    for a, b in zip(*grads):
+        results[full] = (loss.item(), [p.grad.clone() for p in trainer.params], m.acc, any(whole_products))
+    assert results[True][3] and not results[False][3]  # the whole product only where the exact top-1 is asked for
+    assert results[False][0] == pytest.approx(results[True][0], rel=1e-5)
+    for a, b in zip(results[True][1], results[False][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    # hits within the draft vocabulary: never fewer than against the whole vocabulary's argmax
-    assert m.acc >= trainer._forward(batch, full_vocab_top1=True)[2].acc
-    # control: the target's distribution normalised over every id, then restricted, is another distribution, so a
-    # restricted product normalised the wrong way would change the loss compared above
-    w, t = target.lm_head_weight.detach().float(), batch.target_hidden[batch.loss_mask].float()
+    assert results[False][2] >= results[True][2]  # hits within the draft vocabulary include the exact ones
+    monkeypatch.undo()
+    w, t = head.detach().float(), batch.target_hidden[batch.loss_mask].float()
     whole = torch.nn.functional.linear(t, w).softmax(-1)[:, trainer.drafter.d2t]
     rows = torch.nn.functional.linear(t, w[trainer.drafter.d2t]).softmax(-1)
     assert not torch.allclose(whole, rows, atol=1e-4)

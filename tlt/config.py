@@ -164,9 +164,10 @@ class DrafterTrainConfig:
                                                  "one that matters; the default drafter's build uses 1.0)")
     backoff_max_steps: int = _f(
         8, "in-process runs: after a round that did not raise the held-out accept length by 5% and a rollout where "
-           "SD saved no time, skip the next 1, 2, 4, ... rounds (at most this many in a row; the skipped steps' data "
-           "waits for the next round): a round shares the rollout's machine and reopens the bandit's closed "
-           "buckets; 0 = a round every every_k_steps (docs/design.md §5)", ge=0)
+           "SD saved no time, skip the next 1, 2, 4, ... rounds' turns (at most this many in a row; a skipped turn "
+           "drops its training, its data stays in the buffer): a round shares the rollout's machine and reopens the "
+           "bandit's closed buckets. 0 = a round every every_k_steps; inert without held-out data "
+           "(holdout_fraction=0). Whether a round runs then depends on measured times (docs/design.md §5)", ge=0)
     spot: bool | None = _f(
         None, "in-process runs: true = train the drafter on the steps so far in a thread alongside the next rollout, "
                 "on compute the rollout leaves idle (TLT's spot training; published after that rollout, so drafts "

@@ -28,9 +28,10 @@ Back-off (drafter_train.backoff_max_steps): a round is not free here. It shares 
 on the "idle" core slowed a 2-core CPU's rollout by 5-15%: docs/results/spot_contention_cpu-zen4_2026-11-26.txt), or
 runs on top of the step, and each publish reopens the bandit's closed buckets, whose exploration and capture then
 cost the next rollout again. So after a round whose held-out accept length did not rise by BACKOFF_MIN_GAIN and a
-rollout where SD saved no time (spec_net_saved_s <= 0), the next 1, then 2, 4, ... rounds are skipped (at most
-backoff_max_steps in a row); a rollout where SD saved time, or a round that gained, ends the back-off. The skipped
-steps' data stays in the buffer for the next round (docs/design.md §5).
+rollout where SD saved no time (spec_net_saved_s <= 0), the next 1, then 2, 4, ... rounds' turns are skipped (at
+most backoff_max_steps in a row); a rollout where SD saved time, or a round that gained, ends the back-off. A
+skipped turn drops its training: the next round trains one pass over what arrived after it, and the skipped steps'
+data stays in the buffer, where later rounds sample it (docs/design.md §5).
 
 The hook's checkpoint state is the published drafter weights, the optimiser, the sampling generator, the
 counters and the buffer (its hidden states too: a resumed run must train on what the uninterrupted one would, to
@@ -96,7 +97,7 @@ class OnlineDrafterHook(DrafterHook):
         self._may_run.set()
         self._paused = threading.Event()   # set by the spot round while it waits for _may_run
         self._yield_s = 0.0                 # what rollout_done waited for the round's step in flight
-        self.backoff_gap = 0   # rounds skipped after the latest round that neither gained nor followed a paying rollout
+        self.backoff_gap = 0   # turns skipped after the latest round that neither gained nor followed a paying rollout
         self.skip_left = 0     # of those, still to skip
         self._round_gained: bool | None = None  # set by _finish: this step's round raised the accept length enough
 
@@ -104,9 +105,11 @@ class OnlineDrafterHook(DrafterHook):
     def before_rollout(self, step: int) -> None:
         """spot: in a thread alongside this rollout, compare the drafters on the previous step's held-out responses
         (if compare_drafters) and run the round on the steps so far (if one is due)."""
+        if not self.spot:  # the round runs in after_rollout
+            return
         compare_due = self._compare_due()
         train_due = self._due(self.last_step)
-        if self.spot and (compare_due or train_due):
+        if compare_due or train_due:
             result: dict[str, Any] = {}
             self._may_run.set()
 
@@ -196,12 +199,22 @@ class OnlineDrafterHook(DrafterHook):
                 "drafter/compare/time_s": time.perf_counter() - t0}
 
     def _due(self, step: int) -> bool:
-        return (step > 0 and step % self.cfg.every_k_steps == 0 and self.new_tokens > 0 and not self.skip_left
-                and self.buffer.num_train_tokens() >= self.cfg.min_buffer_tokens)
+        """Whether the round on the steps through `step` runs now; called once a step (before_rollout with spot,
+        else after_rollout). A round's turn the back-off skips counts down the skips and drops its training."""
+        if step <= 0 or step % self.cfg.every_k_steps:
+            return False
+        if self._backing_off():
+            self.skip_left -= 1
+            self.new_tokens = 0
+            return False
+        return self.new_tokens > 0 and self.buffer.num_train_tokens() >= self.cfg.min_buffer_tokens
+
+    def _backing_off(self) -> bool:
+        return bool(self.cfg.backoff_max_steps and self.skip_left)
 
     def _compare_due(self) -> bool:
         """The drafter comparison (a diagnostic) runs with the rounds: not while they back off."""
-        return self.frozen is not None and bool(self.fresh_heldout) and not self.skip_left
+        return self.frozen is not None and bool(self.fresh_heldout) and not self._backing_off()
 
     def _back_off(self) -> dict[str, float]:
         """Update the back-off after this step's rollout and round (see the module doc); its metric."""
@@ -213,8 +226,6 @@ class OnlineDrafterHook(DrafterHook):
             self.backoff_gap = 0 if self._round_gained else min(max(1, 2 * self.backoff_gap),
                                                                  self.cfg.backoff_max_steps)
             self.skip_left = self.backoff_gap
-        elif self.skip_left:
-            self.skip_left -= 1
         return {"drafter/backoff_skip": float(self.skip_left)}
 
     def session_steps(self) -> int:
@@ -303,7 +314,9 @@ class OnlineDrafterHook(DrafterHook):
         if state.get("buffer") is not None:  # left out by trainer.save_drafter_buffer=false: refills from rollouts
             self.buffer.load_state_dict(state["buffer"])
         self.new_tokens, self.last_step = int(state.get("new_tokens", 0)), int(state.get("last_step", 0))
-        self.backoff_gap, self.skip_left = state.get("backoff", [0, 0])
+        # a run resumed with a lower backoff_max_steps (0: off) does not wait out the checkpoint's longer skip
+        cap = self.cfg.backoff_max_steps
+        self.backoff_gap, self.skip_left = (min(int(v), cap) for v in state.get("backoff", [0, 0]))
         if self.frozen is not None and state.get("frozen") is not None:  # the run's warm start, not the resumed one
             self.frozen.drafter.load_state_dict(state["frozen"], strict=False)
 

@@ -157,7 +157,7 @@ class DrafterTrainer:
         mask = b.loss_mask
         target = b.target_hidden[mask].float()                             # [N, H] loss tokens only
         w = self.drafter.target.lm_head_weight.detach()  # frozen, shared LM head, in its own dtype (no fp32 copy)
-        w_draft = w if self.drafter.d2t is None else w[self.drafter.d2t]
+        w_draft = w if self.drafter.d2t is None else self.drafter.draft_head().detach()  # cached [V_draft, H] slice
         with torch.no_grad():
             if full_vocab_top1 or self.drafter.d2t is None:
                 target_logits = F.linear(target.to(w.dtype), w).float()     # [N, V]
