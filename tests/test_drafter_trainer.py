@@ -294,8 +294,8 @@ def test_rounds_back_off_while_sd_saves_nothing_and_rounds_gain_nothing(tiny_lla
                                  every_k_steps=every_k_steps)
         hook = OnlineDrafterHook(cfg, llm.spec, spot=spot)
         calls = itertools.count()  # held-out accept length: +10% a round when rounds gain, else flat
-        hook.trainer.evaluate = lambda batch: {"acc": 0.5,
-                                               "accept_proxy": 1.5 * 1.1 ** ((next(calls) + 1) // 2 * gains)}
+        hook.trainer.evaluate = lambda batch, **kw: {"acc": 0.5,
+                                                     "accept_proxy": 1.5 * 1.1 ** ((next(calls) + 1) // 2 * gains)}
         return hook
 
     def run(hook, sd_saved_s: float, steps: range):
@@ -376,3 +376,36 @@ def test_training_steps_with_a_draft_vocabulary_need_only_its_rows(target, buffe
     whole = torch.nn.functional.linear(t, w).softmax(-1)[:, trainer.drafter.d2t]
     rows = torch.nn.functional.linear(t, w[trainer.drafter.d2t]).softmax(-1)
     assert not torch.allclose(whole, rows, atol=1e-4)
+
+
+def test_evaluations_of_one_batch_share_the_targets_side(target, buffer, monkeypatch):
+    """TargetCache: two drafters evaluated on one held-out batch multiply the target's states by the whole LM head
+    once, with the metrics of uncached evaluations; a changed LM head (its version) or another batch recomputes
+    it (the controls)."""
+    import tlt.drafter_train.trainer as trainer_module
+    from tlt.drafter_train.trainer import TargetCache
+
+    a, b = make_trainer(target), make_trainer(target, lr=1e-3)
+    d2t = torch.arange(0, 128, 2)  # one draft vocabulary, as the hook's drafters share the engine's
+    for t in (a, b):  # the drafters' own logits use its rows, the target's side the whole head
+        t.drafter.d2t = d2t
+    b.train_steps(buffer, 2)  # another drafter
+    heldout = buffer.heldout_batch(64, 256)
+    want = [t.evaluate(heldout) for t in (a, b)]
+    head = target.lm_head_weight
+    products = []
+    linear = trainer_module.F.linear
+    monkeypatch.setattr(trainer_module.F, "linear", lambda x, w, *args: products.append(
+        w.shape == head.shape and w.data_ptr() == head.data_ptr()) or linear(x, w, *args))
+    cache = TargetCache()
+    got = [t.evaluate(heldout, targets=cache) for t in (a, b)]
+    assert got == want and sum(products) == 1
+    products.clear()
+    a.evaluate(buffer.heldout_batch(64, 256), targets=cache)  # control: another batch object
+    assert sum(products) == 1
+    products.clear()
+    with torch.no_grad():
+        head.add_(0.0)  # control: an in-place update of the head (version bump)
+    a.evaluate(heldout, targets=cache)
+    a.evaluate(heldout, targets=cache)
+    assert sum(products) == 1

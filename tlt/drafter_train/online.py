@@ -52,7 +52,7 @@ from tlt.drafter_train import compare
 from tlt.drafter_train.buffer import DrafterBuffer, DrafterSample
 from tlt.drafter_train.hook import DrafterHook
 from tlt.drafter_train.packing import PackedBatch, pack
-from tlt.drafter_train.trainer import DrafterTrainer, should_publish
+from tlt.drafter_train.trainer import DrafterTrainer, TargetCache, should_publish
 from tlt.engine.outputs import RequestOutput
 from tlt.faults import fault_point
 from tlt.speculative.drafter import Drafter
@@ -100,6 +100,7 @@ class OnlineDrafterHook(DrafterHook):
         self.backoff_gap = 0   # turns skipped after the latest round that neither gained nor followed a paying rollout
         self.skip_left = 0     # of those, still to skip
         self._round_gained: bool | None = None  # set by _finish: this step's round raised the accept length enough
+        self._targets = TargetCache()  # the target's side of the last held-out batch, shared by its evaluations
 
     # ---- the hook ----------------------------------------------------------------------------------------
     def before_rollout(self, step: int) -> None:
@@ -189,7 +190,8 @@ class OnlineDrafterHook(DrafterHook):
         t0 = time.perf_counter()
         batch = pack([s.window(a, b) for s, *_ in self.fresh_heldout for _, a, b in self.buffer.windows_of(s)],
                      self.cfg.batch_tokens)
-        online, frozen = self.trainer.evaluate(batch), self.frozen.evaluate(batch)
+        online = self.trainer.evaluate(batch, targets=self._targets)
+        frozen = self.frozen.evaluate(batch, targets=self._targets)
         ngram = torch.cat([compare.accept_from_hits(compare.ngram_hits(
             prompt, group, i, compare.target_top1(s.hidden, self.drafter.target.lm_head_weight),
             self.spec.cfg.ngram_max_n, self.spec.cfg.ngram_min_n)) for s, prompt, group, i in self.fresh_heldout])
@@ -241,7 +243,7 @@ class OnlineDrafterHook(DrafterHook):
         `pause`, each drafter step first waits until it is set (the trainer's update runs meanwhile)."""
         t0 = time.perf_counter()
         heldout = self.heldout()
-        old = self.trainer.evaluate(heldout) if heldout is not None else None
+        old = self.trainer.evaluate(heldout, targets=self._targets) if heldout is not None else None
         snapshot = {k: v.clone() for k, v in self.drafter.trainable_state_dict().items()}
         deadline = None if self.max_seconds is None else t0 + self.max_seconds
         steps, self.new_tokens = self.session_steps(), 0
@@ -256,7 +258,7 @@ class OnlineDrafterHook(DrafterHook):
                     deadline += time.perf_counter() - waited
             return deadline is not None and time.perf_counter() > deadline
         stats = self.trainer.train_steps(self.buffer, steps, step=step, stop_flag=stop)
-        new = self.trainer.evaluate(heldout) if heldout is not None else None
+        new = self.trainer.evaluate(heldout, targets=self._targets) if heldout is not None else None
         return stats, old, new, snapshot, time.perf_counter() - t0
 
     def _finish(self, step: int, stats, old, new, snapshot, seconds: float) -> dict[str, float]:

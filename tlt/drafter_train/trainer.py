@@ -73,6 +73,22 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if device.type == "cpu" and cpu_has_fast_bf16() else None
 
 
+class TargetCache:
+    """The target's side of an evaluation (its top-1 over the whole vocabulary and its distribution over the draft
+    rows), kept for the last batch evaluated: the drafters a round compares (before and after training; online and
+    frozen) score the same held-out batch against the same target, and that [tokens, vocab] product is most of an
+    evaluation's cost on a CPU. Keyed by the batch object and the LM head's storage and version, so an update of the
+    target (an optimizer step or weight sync bumps the version) recomputes it."""
+
+    def __init__(self):
+        self._entry: tuple[PackedBatch, tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def get(self, batch: PackedBatch, key: tuple, compute) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._entry is None or self._entry[0] is not batch or self._entry[1] != key:
+            self._entry = (batch, key, compute())
+        return self._entry[2]
+
+
 def _should_stop(flag: StopFlag) -> bool:
     if flag is None:
         return False
@@ -141,13 +157,14 @@ class DrafterTrainer:
         self.total_steps = 0
 
     # ---- loss ------------------------------------------------------------------------------------------
-    def _forward(self, batch: PackedBatch, passes: int | None = None, full_vocab_top1: bool = True
-                 ) -> tuple[torch.Tensor, torch.Tensor, StepMetrics]:
+    def _forward(self, batch: PackedBatch, passes: int | None = None, full_vocab_top1: bool = True,
+                 targets: TargetCache | None = None) -> tuple[torch.Tensor, torch.Tensor, StepMetrics]:
         """Loss (scalar, with grad) and metrics for one packed batch, over `passes` unrolled passes (default
         ttt_steps). With a reduced draft vocabulary the loss needs the target's logits on its rows only; the exact
         top-1 hit (full_vocab_top1, what evaluation reports and the publish gate compares) needs the target's
         argmax over the whole vocabulary, a [tokens, vocab] product that costs a training step more than half its
-        time on a CPU, so training steps score their top-1 within the draft vocabulary."""
+        time on a CPU, so training steps score their top-1 within the draft vocabulary. `targets` reuses the
+        target's side of an evaluation of the same batch (TargetCache)."""
         b = batch.to(self.device)
         dtype = next(self.drafter.parameters()).dtype
         amp = (torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype is not None
@@ -158,16 +175,25 @@ class DrafterTrainer:
         target = b.target_hidden[mask].float()                             # [N, H] loss tokens only
         w = self.drafter.target.lm_head_weight.detach()  # frozen, shared LM head, in its own dtype (no fp32 copy)
         w_draft = w if self.drafter.d2t is None else self.drafter.draft_head().detach()  # cached [V_draft, H] slice
-        with torch.no_grad():
-            if full_vocab_top1 or self.drafter.d2t is None:
+        d2t = self.drafter.d2t
+
+        @torch.no_grad()
+        def target_side() -> tuple[torch.Tensor, torch.Tensor]:
+            if full_vocab_top1 or d2t is None:
                 target_logits = F.linear(target.to(w.dtype), w).float()     # [N, V]
                 target_top1 = target_logits.argmax(-1)
-                if self.drafter.d2t is not None:  # reduced draft vocabulary: compare on its rows
-                    target_logits = target_logits[:, self.drafter.d2t]
+                if d2t is not None:  # reduced draft vocabulary: compare on its rows
+                    target_logits = target_logits[:, d2t]
             else:
                 target_logits = F.linear(target.to(w.dtype), w_draft).float()  # [N, V_draft]
                 target_top1 = self.drafter.to_target_ids(target_logits.argmax(-1))
-            target_probs = target_logits.softmax(-1)
+            return target_top1, target_logits.softmax(-1)
+
+        if targets is not None and full_vocab_top1:
+            key = (w.data_ptr(), w._version, None if d2t is None else d2t.data_ptr())
+            target_top1, target_probs = targets.get(batch, key, target_side)
+        else:
+            target_top1, target_probs = target_side()
         total = weights = 0.0
         for k, pred in enumerate(preds):
             # pass k + 1 exists where the k positions before t are in t's window (drafting depth k + 1 from there)
@@ -229,12 +255,14 @@ class DrafterTrainer:
 
     # ---- evaluation ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, batch: PackedBatch, depth: int = DEPTH) -> dict[str, float]:
+    def evaluate(self, batch: PackedBatch, depth: int = DEPTH, targets: TargetCache | None = None
+                 ) -> dict[str, float]:
         """Held-out metrics of the teacher-forced pass (loss = its hidden loss + 0.1 ce, whatever ttt_steps): top-1
         accuracy and an accept-length proxy, the mean over loss tokens of the run of consecutive teacher-forced
-        top-1 hits starting there (capped at depth) plus the bonus token."""
+        top-1 hits starting there (capped at depth) plus the bonus token. `targets`: a TargetCache shared by the
+        evaluations of one batch."""
         self.drafter.eval()
-        _, correct, m = self._forward(batch, passes=1)
+        _, correct, m = self._forward(batch, passes=1, targets=targets)
         hit = torch.zeros_like(batch.loss_mask)
         hit[batch.loss_mask] = correct.cpu()
         accept = accept_from_hits(hit, depth, seg_ids=batch.seg_ids)[batch.loss_mask].float().mean()
