@@ -331,6 +331,9 @@ def test_rounds_back_off_while_sd_saves_nothing_and_rounds_gain_nothing(tiny_lla
     off = make(0, gains=False)
     off.load_state_dict(make(8, gains=False).state_dict() | {"backoff": [4, 4]})
     assert run(off, 0.0, range(1, 4))[0] == list(range(1 + spot, 4))
+    low = make(2, gains=False)  # resumed with a lower cap: the checkpoint's longer skip is cut to it
+    low.load_state_dict(make(8, gains=False).state_dict() | {"backoff": [8, 8]})
+    assert (low.backoff_gap, low.skip_left) == (2, 2)
     assert skipped(rounds(2, 0.0, gains=False))[:4] == [1, 2, 2, 2]  # capped
     assert skipped(rounds(8, 0.0, gains=False, every_k_steps=2), k=2) == [1, 2]  # turns, not steps
     first = 1 + spot  # a spot round trains during the next step's rollout
@@ -404,8 +407,36 @@ def test_evaluations_of_one_batch_share_the_targets_side(target, buffer, monkeyp
     a.evaluate(buffer.heldout_batch(64, 256), targets=cache)  # control: another batch object
     assert sum(products) == 1
     products.clear()
+    b.drafter.d2t = torch.arange(1, 128, 2)  # control: another draft vocabulary on the same batch
+    a.evaluate(heldout, targets=cache)
+    b.evaluate(heldout, targets=cache)
+    assert sum(products) == 2
+    products.clear()
     with torch.no_grad():
         head.add_(0.0)  # control: an in-place update of the head (version bump)
     a.evaluate(heldout, targets=cache)
     a.evaluate(heldout, targets=cache)
     assert sum(products) == 1
+
+
+def test_a_full_buffer_still_brings_each_step_its_training_tokens(tiny_llama_dir, tmp_path):
+    """The online hook counts what each step's responses bring (the next round's one pass), per sample: a buffer at
+    its token cap evicts about as much as it takes in, and its net growth (the control) is about zero."""
+    import tlt
+    from tlt.config import DrafterTrainConfig
+    from tlt.drafter_train.online import OnlineDrafterHook
+    from tlt.speculative.drafter_io import save_drafter
+
+    plain = tlt.LLM(tiny_llama_dir, dtype="float32")
+    drafter_dir = save_drafter(Drafter(plain.engine.model.cfg), tmp_path / "d")
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", speculative_config={"method": "eagle", "model": str(drafter_dir)})
+    outs = plain.generate([[3, 5, 7, 9]] * 4, tlt.SamplingParams(temperature=1.0, max_tokens=24, seed=1,
+                                                               return_hidden_states=True, ignore_eos=True))
+    hook = OnlineDrafterHook(DrafterTrainConfig(buffer_max_tokens=100, holdout_fraction=0.0, compare_drafters=False),
+                             llm.spec)
+    hook.add_outputs(1, outs)  # fills the buffer past its cap
+    full = hook.buffer.num_train_tokens()
+    hook.new_tokens = 0
+    hook.add_outputs(2, outs)
+    assert hook.buffer.num_train_tokens() - full <= 0  # control: the net growth of a full buffer
+    assert hook.new_tokens == sum(s.loss_pairs for s in list(hook.buffer.samples)[-len(outs):]) > 0

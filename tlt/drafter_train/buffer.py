@@ -43,6 +43,12 @@ class DrafterSample:
         """[t_lo, t_hi) of pair positions t: needs h_t, h_{t+1} and x_{t+1}."""
         return self.hidden_start, min(self.hidden_start + self.hidden.shape[0], self.length) - 1
 
+    @property
+    def loss_pairs(self) -> int:
+        """Pairs whose target is a response token (what training learns from)."""
+        t_lo, t_hi = self.pair_range
+        return t_hi - max(t_lo, self.response_start - 1)
+
     def window(self, t0: int, t1: int) -> Window:
         """Pairs t in [t0, t1) as views into this sample's storage."""
         h0 = t0 - self.hidden_start
@@ -83,8 +89,7 @@ class DrafterBuffer:
             raise ValueError(f"response_start={response_start} outside (0, {L}]")
         s = DrafterSample(token_ids, hidden.detach().to("cpu", self.dtype, copy=True), int(response_start),
                           int(rl_step), int(hidden_start))
-        t_lo, t_hi = s.pair_range
-        if t_hi <= max(t_lo, response_start - 1):
+        if s.loss_pairs <= 0:
             return None  # no pair with a response target: nothing to learn from
         self._num_added += 1
         s.heldout = self.holdout_every > 0 and self._num_added % self.holdout_every == 0
@@ -142,8 +147,7 @@ class DrafterBuffer:
 
     def num_train_tokens(self, heldout: bool = False) -> int:
         """Loss-carrying pairs available for training (or held out)."""
-        return sum(s.pair_range[1] - max(s.pair_range[0], s.response_start - 1)
-                   for s in self.samples if s.heldout == heldout)
+        return sum(s.loss_pairs for s in self.samples if s.heldout == heldout)
 
     def windows_of(self, s: DrafterSample) -> list[tuple[DrafterSample, int, int]]:
         """Cut a sample's loss-carrying pairs into windows of window_len, each keeping its true positions."""

@@ -29,7 +29,8 @@ on the "idle" core slowed a 2-core CPU's rollout by 5-15%: docs/results/spot_con
 runs on top of the step, and each publish reopens the bandit's closed buckets, whose exploration and capture then
 cost the next rollout again. So after a round whose held-out accept length did not rise by BACKOFF_MIN_GAIN and a
 rollout where SD saved no time (spec_net_saved_s <= 0), the next 1, then 2, 4, ... rounds' turns are skipped (at
-most backoff_max_steps in a row); a rollout where SD saved time, or a round that gained, ends the back-off. A
+most backoff_max_steps in a row); a rollout where SD saved time, or a round that gained, ends the back-off from the
+next turn. A
 skipped turn drops its training: the next round trains one pass over what arrived after it, and the skipped steps'
 data stays in the buffer, where later rounds sample it (docs/design.md §5).
 
@@ -100,7 +101,6 @@ class OnlineDrafterHook(DrafterHook):
         self.backoff_gap = 0   # turns skipped after the latest round that neither gained nor followed a paying rollout
         self.skip_left = 0     # of those, still to skip
         self._round_gained: bool | None = None  # set by _finish: this step's round raised the accept length enough
-        self._targets = TargetCache()  # the target's side of the last held-out batch, shared by its evaluations
 
     # ---- the hook ----------------------------------------------------------------------------------------
     def before_rollout(self, step: int) -> None:
@@ -169,7 +169,6 @@ class OnlineDrafterHook(DrafterHook):
 
     def add_outputs(self, step: int, outputs: list[RequestOutput]) -> None:
         """Every response's hidden states: hidden[i] produced response token i, i.e. is h at position P-1+i."""
-        before = self.buffer.num_train_tokens()
         self.fresh_heldout = []
         for out in outputs:
             prompt = list(out.prompt_token_ids)
@@ -179,10 +178,14 @@ class OnlineDrafterHook(DrafterHook):
                     continue
                 sample = self.buffer.add_response(prompt, group[i], completion.hidden_states, step,
                                                   completion.hidden_start)
+                if sample is None:
+                    continue
+                # what arrived, counted per sample: a full buffer evicts about as much as it takes in, so its net
+                # growth would fall to zero and the rounds with it
+                self.new_tokens += 0 if sample.heldout else sample.loss_pairs
                 # the n-gram comparison scores whole responses: those with a gap in their kept states sit it out
-                if sample is not None and sample.heldout and len(group[i]) > 1 and completion.hidden_start == 0:
+                if sample.heldout and len(group[i]) > 1 and completion.hidden_start == 0:
                     self.fresh_heldout.append((sample, prompt, group, i))
-        self.new_tokens += max(self.buffer.num_train_tokens() - before, 0)
 
     def compare_drafters(self) -> dict[str, float]:
         """Accept-length proxy of the online, frozen warm-start and n-gram drafters on this step's held-out
@@ -190,8 +193,9 @@ class OnlineDrafterHook(DrafterHook):
         t0 = time.perf_counter()
         batch = pack([s.window(a, b) for s, *_ in self.fresh_heldout for _, a, b in self.buffer.windows_of(s)],
                      self.cfg.batch_tokens)
-        online = self.trainer.evaluate(batch, targets=self._targets)
-        frozen = self.frozen.evaluate(batch, targets=self._targets)
+        targets = TargetCache()  # one target side for both drafters, freed on return
+        online = self.trainer.evaluate(batch, targets=targets)
+        frozen = self.frozen.evaluate(batch, targets=targets)
         ngram = torch.cat([compare.accept_from_hits(compare.ngram_hits(
             prompt, group, i, compare.target_top1(s.hidden, self.drafter.target.lm_head_weight),
             self.spec.cfg.ngram_max_n, self.spec.cfg.ngram_min_n)) for s, prompt, group, i in self.fresh_heldout])
@@ -243,7 +247,8 @@ class OnlineDrafterHook(DrafterHook):
         `pause`, each drafter step first waits until it is set (the trainer's update runs meanwhile)."""
         t0 = time.perf_counter()
         heldout = self.heldout()
-        old = self.trainer.evaluate(heldout, targets=self._targets) if heldout is not None else None
+        targets = TargetCache()  # before and after share the target's side (recomputed if the update ran between)
+        old = self.trainer.evaluate(heldout, targets=targets) if heldout is not None else None
         snapshot = {k: v.clone() for k, v in self.drafter.trainable_state_dict().items()}
         deadline = None if self.max_seconds is None else t0 + self.max_seconds
         steps, self.new_tokens = self.session_steps(), 0
@@ -258,7 +263,7 @@ class OnlineDrafterHook(DrafterHook):
                     deadline += time.perf_counter() - waited
             return deadline is not None and time.perf_counter() > deadline
         stats = self.trainer.train_steps(self.buffer, steps, step=step, stop_flag=stop)
-        new = self.trainer.evaluate(heldout, targets=self._targets) if heldout is not None else None
+        new = self.trainer.evaluate(heldout, targets=targets) if heldout is not None else None
         return stats, old, new, snapshot, time.perf_counter() - t0
 
     def _finish(self, step: int, stats, old, new, snapshot, seconds: float) -> dict[str, float]:

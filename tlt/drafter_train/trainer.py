@@ -75,10 +75,11 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 class TargetCache:
     """The target's side of an evaluation (its top-1 over the whole vocabulary and its distribution over the draft
-    rows), kept for the last batch evaluated: the drafters a round compares (before and after training; online and
-    frozen) score the same held-out batch against the same target, and that [tokens, vocab] product is most of an
-    evaluation's cost on a CPU. Keyed by the batch object and the LM head's storage and version, so an update of the
-    target (an optimizer step or weight sync bumps the version) recomputes it."""
+    rows), kept for the last batch evaluated, for a pair of evaluations of one batch against one target: a round's
+    drafter before and after training, or the comparison's online and frozen drafters. That [tokens, vocab] product
+    is most of an evaluation's cost on a CPU. Keyed by the batch object, the LM head's storage and version and the
+    draft vocabulary, so an update of the target (an optimizer step or weight sync bumps the version) recomputes
+    it. It holds the batch and an [tokens, draft vocab] fp32 tensor: make one per pair, not one per run."""
 
     def __init__(self):
         self._entry: tuple[PackedBatch, tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
