@@ -24,15 +24,14 @@ trains what a spot=false round trains; steps left for after the update see the u
 (compare_drafters) runs in that thread too, on the previous step's held-out responses, and is logged with the
 step whose rollout it ran alongside (drafter/compare/rl_step names the responses' step).
 
-Back-off (drafter_train.backoff_max_steps): a round is not free here. It shares the rollout's machine (a thread
-on the "idle" core slowed a 2-core CPU's rollout by 5-15%: docs/results/spot_contention_cpu-zen4_2026-11-26.txt), or
+Back-off (drafter_train.backoff_max_steps): a round is not free here. It shares the rollout's machine (a thread on
+the "idle" core slowed a 2-core CPU's rollout by 5-15%: docs/results/spot_contention_cpu-zen4_2026-11-26.txt), or
 runs on top of the step, and each publish reopens the bandit's closed buckets, whose exploration and capture then
 cost the next rollout again. So after a round whose held-out accept length did not rise by BACKOFF_MIN_GAIN and a
 rollout where SD saved no time (spec_net_saved_s <= 0), the next 1, then 2, 4, ... rounds' turns are skipped (at
 most backoff_max_steps in a row); a rollout where SD saved time, or a round that gained, ends the back-off from the
-next turn. A
-skipped turn drops its training: the next round trains one pass over what arrived after it, and the skipped steps'
-data stays in the buffer, where later rounds sample it (docs/design.md §5).
+next turn. A skipped turn drops its training: the next round trains one pass over what arrived after it, and the
+skipped steps' data stays in the buffer, where later rounds sample it (docs/design.md §5).
 
 The hook's checkpoint state is the published drafter weights, the optimiser, the sampling generator, the
 counters and the buffer (its hidden states too: a resumed run must train on what the uninterrupted one would, to

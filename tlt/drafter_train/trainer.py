@@ -79,7 +79,7 @@ class TargetCache:
     drafter before and after training, or the comparison's online and frozen drafters. That [tokens, vocab] product
     is most of an evaluation's cost on a CPU. Keyed by the batch object, the LM head's storage and version and the
     draft vocabulary, so an update of the target (an optimizer step or weight sync bumps the version) recomputes
-    it. It holds the batch and an [tokens, draft vocab] fp32 tensor: make one per pair, not one per run."""
+    it. It holds the batch and a [tokens, draft vocab] fp32 tensor: make one per pair, not one per run."""
 
     def __init__(self):
         self._entry: tuple[PackedBatch, tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
