@@ -208,18 +208,15 @@ class OnlineDrafterHook(DrafterHook):
         else after_rollout). A round's turn the back-off skips counts down the skips and drops its training."""
         if step <= 0 or step % self.cfg.every_k_steps:
             return False
-        if self._backing_off():
+        if self.skip_left:  # backing off (0 whenever backoff_max_steps is: load_state_dict cuts it to the cap)
             self.skip_left -= 1
             self.new_tokens = 0
             return False
         return self.new_tokens > 0 and self.buffer.num_train_tokens() >= self.cfg.min_buffer_tokens
 
-    def _backing_off(self) -> bool:
-        return bool(self.cfg.backoff_max_steps and self.skip_left)
-
     def _compare_due(self) -> bool:
         """The drafter comparison (a diagnostic) runs with the rounds: not while they back off."""
-        return self.frozen is not None and bool(self.fresh_heldout) and not self._backing_off()
+        return self.frozen is not None and bool(self.fresh_heldout) and not self.skip_left
 
     def _back_off(self) -> dict[str, float]:
         """Update the back-off after this step's rollout and round (see the module doc); its metric."""

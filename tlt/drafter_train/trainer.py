@@ -175,7 +175,7 @@ class DrafterTrainer:
         mask = b.loss_mask
         target = b.target_hidden[mask].float()                             # [N, H] loss tokens only
         w = self.drafter.target.lm_head_weight.detach()  # frozen, shared LM head, in its own dtype (no fp32 copy)
-        w_draft = w if self.drafter.d2t is None else self.drafter.draft_head().detach()  # cached [V_draft, H] slice
+        w_draft = w if self.drafter.d2t is None else self.drafter.draft_head()  # cached, detached slice
         d2t = self.drafter.d2t
 
         @torch.no_grad()
