@@ -76,6 +76,42 @@ def test_default_drafter_path_builds_once(tiny, tmp_path, monkeypatch):
     assert (path / "provenance.json").stat().st_mtime_ns == stamp
 
 
+def test_a_cached_drafter_of_another_build_is_rebuilt(tiny, tmp_path, monkeypatch, capsys):
+    """A new version's default build replaces the older default drafter in the same directory (the default build's
+    directory has no build suffix); an unchanged build is reused."""
+    model_dir, data = tiny
+    monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
+    old = dict(data=data, num_prompts=4, max_tokens=8, steps=2, draft_vocab=0, batch_tokens=64, window_len=16,
+               holdout_every=4, amp="none", dtype="float32", temperatures="1.0", threads=1)
+    monkeypatch.setattr(offline, "DEFAULT_BUILD", old)
+    path = offline.default_drafter_path(model_dir)
+    stamp = (path / "provenance.json").stat().st_mtime_ns
+    assert offline.default_drafter_path(model_dir) == path and (path / "provenance.json").stat().st_mtime_ns == stamp
+    assert "rebuilding" not in capsys.readouterr().out
+    new = dict(old, num_prompts=8, temperatures="0.5")
+    monkeypatch.setattr(offline, "DEFAULT_BUILD", new)
+    assert offline.default_drafter_path(model_dir) == path  # the same directory
+    assert "built with other settings than this version's: rebuilding it" in capsys.readouterr().out
+    prov = json.loads((path / "provenance.json").read_text())
+    assert prov["num_samples"] == 8 and prov["config"]["temperatures"] == "0.5"
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_the_warm_up_samples_at_the_rollout_temperature():
+    """warmup_temperatures=null follows rollout.temperature; the default build is the default config's."""
+    from tlt.config import DrafterTrainConfig, load_config
+    from tlt.rl.trainer import DEFAULT_CONFIG
+    assert offline.warmup_build(DrafterTrainConfig(), temperature=1.0)["temperatures"] == "1.0"
+    assert offline.warmup_build(DrafterTrainConfig(warmup_temperatures=[0.7, 1.0]), temperature=0.2)[
+        "temperatures"] == "0.7,1.0"
+    default = load_config(str(DEFAULT_CONFIG))
+    assert default.rollout.temperature == offline.DEFAULT_TEMPERATURE
+    build = offline.warmup_build(default.drafter_train, temperature=default.rollout.temperature)
+    assert offline.drafter_cache_dir("m", build) == offline.drafter_cache_dir("m", offline.DEFAULT_BUILD)
+    assert offline.drafter_cache_dir("m", offline.warmup_build(default.drafter_train, temperature=1.0)) != \
+        offline.drafter_cache_dir("m", offline.DEFAULT_BUILD)  # another temperature: another build
+
+
 class FakeChatTokenizer:
     """Enough of a tokenizer for load_prompts: a chat template and character-code ids."""
     def apply_chat_template(self, messages, add_generation_prompt, tokenize):

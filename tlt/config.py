@@ -154,14 +154,14 @@ class DrafterTrainConfig:
     holdout_fraction: float = _f(0.05, "fraction of samples held out for acceptance metrics", ge=0, le=0.5)
     compare_drafters: bool = _f(True, "score online vs frozen warm-start vs n-gram drafters on each step's "
                                       "held-out responses (drafter/compare/*)")
-    warmup_num_prompts: int = _f(64, "warm-up drafter (built once and cached when speculative.model is null with the "
+    warmup_num_prompts: int = _f(256, "warm-up drafter (built once and cached when speculative.model is null with the "
                                      "default model): training prompts, the first N of the run's train file (the "
                                      "default task's for the default data)", ge=1)
     warmup_samples_per_prompt: int = _f(1, "warm-up drafter: the target's samples per prompt and temperature", ge=1)
     warmup_max_tokens: int = _f(128, "warm-up drafter: max tokens per sample", ge=1)
-    warmup_steps: int = _f(80, "warm-up drafter: optimiser steps", ge=1)
-    warmup_temperatures: list[float] = _f([1.0], "warm-up drafter: sampling temperatures (the RL temperature is the "
-                                                 "one that matters; the default drafter's build uses 1.0)")
+    warmup_steps: int = _f(200, "warm-up drafter: optimiser steps", ge=1)
+    warmup_temperatures: list[float] | None = _f(None, "warm-up drafter: sampling temperatures; null = the run's "
+                                                       "rollout.temperature, the law its drafts must hold")
     backoff_max_steps: int = _f(
         8, "in-process runs: after a round that did not raise the held-out accept length by 5% and a rollout where "
            "SD saved no time, skip the next 1, 2, 4, ... rounds' turns (at most this many in a row; a skipped turn "
@@ -288,7 +288,7 @@ def _validate(cfg: Config) -> None:
     if len(a.betas) != 2 or not all(0 <= b < 1 for b in a.betas):
         raise ConfigError(f"actor.betas={a.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
     temps = cfg.drafter_train.warmup_temperatures
-    if not temps or not all(t > 0 for t in temps):
+    if temps is not None and (not temps or not all(t > 0 for t in temps)):
         raise ConfigError(f"drafter_train.warmup_temperatures={temps} must be a non-empty list of temperatures > 0, "
                           "e.g. [1.0]")
     if s.enabled:

@@ -211,18 +211,23 @@ def _metrics_table(before: dict, after: dict) -> str:
 
 
 # ---- the cached drafter for the default model -----------------------------------------------------------------
+# The default run's rollout temperature (tlt/configs/default.yaml): the law the default drafter's drafts must hold.
+DEFAULT_TEMPERATURE = 0.6
 # Sized to build in about two minutes on 2 CPU cores (measured: see provenance.json's generate_s / train_s). One
 # thread: on a shared machine, OpenMP threads contending with other processes made the same build 5x slower.
-DEFAULT_BUILD = dict(num_prompts=64, max_tokens=128, steps=80, draft_vocab=8192, threads=1)
+DEFAULT_BUILD = dict(num_prompts=256, max_tokens=128, steps=200, draft_vocab=8192, threads=1,
+                     temperatures=str(DEFAULT_TEMPERATURE))
 
 
-def warmup_build(dt, data: str | None = None) -> dict:
+def warmup_build(dt, data: str | None = None, temperature: float = DEFAULT_TEMPERATURE) -> dict:
     """OfflineConfig fields of the warm-up drafter that a DrafterTrainConfig's warmup_* keys ask for, on `data`
-    (None: the default task). The keys' defaults give DEFAULT_BUILD; larger values give a stronger drafter (more of
-    the target's own samples, longer responses, more steps)."""
+    (None: the default task), sampled at `temperature` (the run's rollout temperature) unless warmup_temperatures
+    names others. The keys' defaults at the default config's temperature give DEFAULT_BUILD; larger values give a
+    stronger drafter (more of the target's own samples, longer responses, more steps)."""
+    temps = dt.warmup_temperatures or [temperature]
     build = dict(DEFAULT_BUILD, num_prompts=dt.warmup_num_prompts, n=dt.warmup_samples_per_prompt,
                  max_tokens=dt.warmup_max_tokens, steps=dt.warmup_steps, ttt_steps=dt.ttt_steps,
-                 temperatures=",".join(map(str, dt.warmup_temperatures)))
+                 temperatures=",".join(map(str, temps)))
     return build | ({"data": data} if data else {})
 
 
@@ -253,17 +258,32 @@ def default_drafter_path(model_path: str | Path | None = None, build: dict | Non
     model_path = Path(model_path)
     build = DEFAULT_BUILD if build is None else build
     out = drafter_cache_dir(model_path, build)
-    if (out / "provenance.json").is_file():
+
+    def complete(path: Path) -> bool:  # a drafter of this build (the default's directory may hold an older one)
+        prov = path / "provenance.json"
+        return prov.is_file() and _built_as(json.loads(prov.read_text()), build)
+
+    if complete(out):
         _check_same_target(out, model_path)
         return out
+    if out.exists():
+        print(f"the cached warm-up drafter {out} was built with other settings than this version's: rebuilding it")
+
     def build_into(tmp: Path) -> None:
         print(f"building the warm-up drafter for {model_path.name} into {out} (once; the default build takes about "
               f"two minutes on CPU)")
         train_drafter(OfflineConfig(out=str(tmp), model=str(model_path), **build),
                       command=f"tlt.drafter_train.offline.default_drafter_path({str(model_path)!r}, {build!r})")
-    build_atomically(out, build_into, lambda p: (p / "provenance.json").is_file())
+    build_atomically(out, build_into, complete)
     _check_same_target(out, model_path)
     return out
+
+
+def _built_as(provenance: dict, build: dict) -> bool:
+    """Whether a drafter's provenance records this build (keys later versions added take their defaults)."""
+    names = {f.name for f in dataclasses.fields(OfflineConfig)}
+    built = {k: v for k, v in provenance.get("config", {}).items() if k in names}
+    return _canonical(built) == _canonical(build)
 
 
 def _check_same_target(drafter_dir: Path, model_path: Path) -> None:
