@@ -25,6 +25,7 @@ TREE = dict(method="eagle", bs_threshold=None, adaptive=False, num_speculative_t
 NGRAM = dict(method="ngram", bs_threshold=None, adaptive=False, num_speculative_tokens=4)
 ADAPTIVE = dict(method="eagle", bs_threshold=2, hysteresis_steps=2, epsilon=0.3)
 REJECTION = dict(CHAIN, acceptance="rejection")  # sampled chain drafts, Leviathan/Chen rejection sampling
+CHAIN1 = dict(CHAIN, num_speculative_tokens=1)  # one draft token a step (the CPU arm table's first)
 
 
 def _prompts(V, n=5, seed=0):
@@ -42,8 +43,8 @@ def sharp_llama(tmp_path_factory):
     return model, str(drafter_dir)
 
 
-@pytest.mark.parametrize("spec", [CHAIN, TREE, NGRAM, ADAPTIVE, REJECTION],
-                         ids=["chain", "tree", "ngram", "adaptive", "rejection"])
+@pytest.mark.parametrize("spec", [CHAIN, CHAIN1, TREE, NGRAM, ADAPTIVE, REJECTION],
+                         ids=["chain", "chain1", "tree", "ngram", "adaptive", "rejection"])
 def test_greedy_identical_with_sd_trained_drafter(sharp_llama, spec):
     model, drafter_dir = sharp_llama
     prompts = _prompts(128)
@@ -83,7 +84,8 @@ def _flipped_draws(p, tokens, parents, valid, rng):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("spec", [CHAIN, TREE, NGRAM, ADAPTIVE], ids=["chain", "tree", "ngram", "adaptive"])
+@pytest.mark.parametrize("spec", [CHAIN, CHAIN1, TREE, NGRAM, ADAPTIVE],
+                         ids=["chain", "chain1", "tree", "ngram", "adaptive"])
 def test_seeded_sampling_identical_with_sd_on_or_off(sharp_llama, spec, dtype):
     """Drafter-invariant verification: at temperature > 0 a seeded request yields the very tokens and logprobs of
     plain decoding, whatever the drafts. Bitwise equal logits from the verify and decode forwards are part of it

@@ -81,8 +81,11 @@ OFF = Arm("off", "off")
 
 def default_arm_table(device: str = "cpu") -> tuple[list[float], list[list[Arm]]]:
     """(bucket upper bounds, arms per bucket). "gpu": fastrl's table (depth 8, topk 4; verify budget by bucket
-    bs 1 -> 48, 2-4 -> 32, 5-20 -> 16, >= 21 -> 8) plus chains, n-gram and off. "cpu": scaled for a ~135M target
-    on 2 cores, where a verify token costs a real fraction of a decode step, so budgets are about 3-6x smaller."""
+    bs 1 -> 48, 2-4 -> 32, 5-20 -> 16, >= 21 -> 8) plus chains, n-gram and off. "cpu": for a ~135M target on 2
+    cores, where a verify token costs a real fraction of a decode step: short chains (depth 1 pays first: one draft
+    token, accepted about half the time at temperature 0.6), one small tree at bs 1, n-gram and off. Each arm a
+    bucket holds is explored again after every publish, so arms that never paid on a CPU are left out
+    (docs/results/spec_arms_cpu-zen4_2026-11-26.txt)."""
     bounds = [1, 4, 20, math.inf]
     if device == "gpu":
         budgets = [48, 32, 16, 8]
@@ -91,10 +94,10 @@ def default_arm_table(device: str = "cpu") -> tuple[list[float], list[list[Arm]]
     if device != "cpu":
         raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
     return bounds, [
-        [OFF, _ngram(6), _chain(2), _chain(4), _chain(6), _tree(4, 2, 8), _tree(6, 4, 16)],
-        [OFF, _ngram(4), _chain(2), _chain(4), _chain(6), _tree(4, 2, 8), _tree(5, 3, 12)],
-        [OFF, _ngram(3), _chain(2), _chain(4), _tree(3, 2, 6)],
-        [OFF, _ngram(2), _chain(2), _chain(3)],
+        [OFF, _ngram(6), _chain(1), _chain(2), _chain(4), _tree(4, 2, 8)],
+        [OFF, _ngram(4), _chain(1), _chain(2), _chain(4)],
+        [OFF, _ngram(3), _chain(1), _chain(2)],
+        [OFF, _ngram(2), _chain(1)],
     ]
 
 
