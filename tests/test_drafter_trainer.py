@@ -288,14 +288,23 @@ def test_rounds_back_off_while_sd_saves_nothing_and_rounds_gain_nothing(tiny_lla
     outs = plain.generate([[3, 5, 7, 9]] * 8, tlt.SamplingParams(temperature=1.0, max_tokens=24, seed=1,
                                                                return_hidden_states=True, ignore_eos=True))
 
-    def make(backoff_max_steps: int, gains: bool, every_k_steps: int = 1, compare: bool = False):
+    def make(backoff_max_steps: int, gains: bool, every_k_steps: int = 1, compare: bool = False,
+             gains_on_fresh: bool | None = None):
+        """gains: the held-out accept length rises 10% with each round's weights, else stays flat; gains_on_fresh:
+        the same on the next step's responses (default: as gains)."""
         cfg = DrafterTrainConfig(min_buffer_tokens=0, batch_tokens=64, window_len=16, holdout_fraction=0.25,
                                  compare_drafters=compare, backoff_max_steps=backoff_max_steps,
                                  every_k_steps=every_k_steps)
         hook = OnlineDrafterHook(cfg, llm.spec, spot=spot)
-        calls = itertools.count()  # held-out accept length: +10% a round when rounds gain, else flat
-        hook.trainer.evaluate = lambda batch, **kw: {"acc": 0.5,
-                                                     "accept_proxy": 1.5 * 1.1 ** ((next(calls) + 1) // 2 * gains)}
+        fresh, real_fresh = [], hook.fresh_batch
+        hook.fresh_batch = lambda: (fresh.clear(), fresh.append(real_fresh()), fresh[0])[2]
+        weights = {}  # each state of the drafter's weights, numbered in the order first evaluated
+
+        def evaluate(batch, **kw):
+            index = weights.setdefault(float(hook.drafter.fc.weight.detach().double().sum()), len(weights))
+            rises = gains if batch is not (fresh[0] if fresh else None) or gains_on_fresh is None else gains_on_fresh
+            return {"acc": 0.5, "accept_proxy": 1.5 * 1.1 ** (index * rises)}
+        hook.trainer.evaluate = evaluate
         return hook
 
     def run(hook, sd_saved_s: float, steps: range):
@@ -341,6 +350,12 @@ def test_rounds_back_off_while_sd_saves_nothing_and_rounds_gain_nothing(tiny_lla
     assert rounds(0, 0.0, gains=False) == every_step   # control: no back-off
     assert rounds(8, 0.5, gains=False) == every_step   # control: SD saved time
     assert rounds(8, 0.0, gains=True) == every_step    # control: the rounds raise the accept length
+    # a round judged on the next step's responses: gains on its own step's held-out slice only (the same prompts as
+    # its training data) do not hold the back-off off; the first round, with nothing to judge yet, counts its own
+    ran, *_ = run(make(8, gains=True, gains_on_fresh=False), 0.0, range(1, 15))
+    assert skipped(ran) == [0, 1, 2, 4], ran
+    ran = rounds(8, 0.0, gains=False, gains_on_fresh=True)  # control: they gain where they are used (the first,
+    assert skipped(ran) == [1] + [0] * (len(ran) - 2), ran  # judged on its own slice, is skipped after once)
     # the drafter comparison skips with the rounds (control: every step without the back-off)
     compared = [run(make(m, gains=False, compare=True), 0.0, range(1, 15))[2] for m in (8, 0)]
     assert 0 < compared[0] < compared[1], compared

@@ -30,7 +30,11 @@ runs on top of the step, and each publish reopens the bandit's closed buckets, w
 cost the next rollout again. So after a round whose held-out accept length did not rise by BACKOFF_MIN_GAIN and a
 rollout where SD saved no time (spec_net_saved_s <= 0), the next 1, then 2, 4, ... rounds' turns are skipped (at
 most backoff_max_steps in a row); a rollout where SD saved time, or a round that gained, ends the back-off from the
-next turn. A skipped turn drops its training: the next round trains one pass over what arrived after it, and the
+next turn. A round's gain is measured where it will be used: on the next step's held-out responses (prompts no
+drafter trained on), the published drafter against the weights before that round, at the start of the next round.
+Held-out responses of the round's own step share their prompts with its training data, so there every round
+gained (7-17% a round where the next steps' responses showed none). Without such responses (the first round, a
+refused publish, holdout_fraction=0) the round's own held-out slice decides. A skipped turn drops its training: the next round trains one pass over what arrived after it, and the
 skipped steps' data stays in the buffer, where later rounds sample it (docs/design.md §5).
 
 The hook's checkpoint state is the published drafter weights, the optimiser, the sampling generator, the
@@ -100,6 +104,7 @@ class OnlineDrafterHook(DrafterHook):
         self.backoff_gap = 0   # turns skipped after the latest round that neither gained nor followed a paying rollout
         self.skip_left = 0     # of those, still to skip
         self._round_gained: bool | None = None  # set by _finish: this step's round raised the accept length enough
+        self._before_last: dict[str, torch.Tensor] | None = None  # the weights the last published round started from
 
     # ---- the hook ----------------------------------------------------------------------------------------
     def before_rollout(self, step: int) -> None:
@@ -186,12 +191,18 @@ class OnlineDrafterHook(DrafterHook):
                 if sample.heldout and len(group[i]) > 1 and completion.hidden_start == 0:
                     self.fresh_heldout.append((sample, prompt, group, i))
 
+    def fresh_batch(self) -> PackedBatch | None:
+        """The newest step's held-out responses, packed: prompts no drafter has trained on (None without any)."""
+        if not self.fresh_heldout:
+            return None
+        return pack([s.window(a, b) for s, *_ in self.fresh_heldout for _, a, b in self.buffer.windows_of(s)],
+                    self.cfg.batch_tokens)
+
     def compare_drafters(self) -> dict[str, float]:
         """Accept-length proxy of the online, frozen warm-start and n-gram drafters on this step's held-out
         responses, before the drafter trains on the step (tlt.drafter_train.compare)."""
         t0 = time.perf_counter()
-        batch = pack([s.window(a, b) for s, *_ in self.fresh_heldout for _, a, b in self.buffer.windows_of(s)],
-                     self.cfg.batch_tokens)
+        batch = self.fresh_batch()
         targets = TargetCache()  # one target side for both drafters, freed on return
         online = self.trainer.evaluate(batch, targets=targets)
         frozen = self.frozen.evaluate(batch, targets=targets)
@@ -242,6 +253,7 @@ class OnlineDrafterHook(DrafterHook):
         """The round's work on the training copy (a spot thread runs this): train on the buffer as it is. With
         `pause`, each drafter step first waits until it is set (the trainer's update runs meanwhile)."""
         t0 = time.perf_counter()
+        last_gain = self.last_round_gain()
         heldout = self.heldout()
         targets = TargetCache()  # before and after share the target's side (recomputed if the update ran between)
         old = self.trainer.evaluate(heldout, targets=targets) if heldout is not None else None
@@ -260,9 +272,27 @@ class OnlineDrafterHook(DrafterHook):
             return deadline is not None and time.perf_counter() > deadline
         stats = self.trainer.train_steps(self.buffer, steps, step=step, stop_flag=stop)
         new = self.trainer.evaluate(heldout, targets=targets) if heldout is not None else None
-        return stats, old, new, snapshot, time.perf_counter() - t0
+        return stats, old, new, snapshot, time.perf_counter() - t0, last_gain
 
-    def _finish(self, step: int, stats, old, new, snapshot, seconds: float) -> dict[str, float]:
+    def last_round_gain(self) -> float | None:
+        """What the last published round bought where it is used: the accept-length proxy of the published drafter
+        over the weights that round started from, on the newest step's held-out responses (before training on
+        them), as a fraction; None without a published round to judge, fresh responses, or the back-off."""
+        batch = self.fresh_batch() if self._before_last is not None and self.cfg.backoff_max_steps else None
+        if batch is None:
+            return None
+        targets = TargetCache()
+        now = self.trainer.evaluate(batch, targets=targets)["accept_proxy"]
+        published = {k: v.clone() for k, v in self.drafter.trainable_state_dict().items()}
+        self.drafter.load_state_dict(self._before_last, strict=False)
+        try:
+            before = self.trainer.evaluate(batch, targets=targets)["accept_proxy"]
+        finally:
+            self.drafter.load_state_dict(published, strict=False)
+        return now / before - 1
+
+    def _finish(self, step: int, stats, old, new, snapshot, seconds: float,
+                last_gain: float | None = None) -> dict[str, float]:
         """Publish into the engine or roll back (main thread) during RL step `step`. Returns drafter/* metrics."""
         publish = stats.steps > 0 and (new is None or should_publish(new, old))
         if publish:
@@ -273,9 +303,13 @@ class OnlineDrafterHook(DrafterHook):
             self.drafter.load_state_dict(snapshot, strict=False)  # refused: keep training from the published one
         out = {"drafter/steps": float(stats.steps), "drafter/published": float(publish),
                "drafter/train_time_s": seconds}
-        # no held-out data: no evidence that training stopped paying, so no back-off
-        self._round_gained = (old is None or new is None
-                              or new["accept_proxy"] >= (1 + BACKOFF_MIN_GAIN) * old["accept_proxy"])
+        if last_gain is not None:  # the previous round, judged on responses to prompts it never saw
+            out["drafter/last_round_gain"] = last_gain
+            self._round_gained = last_gain >= BACKOFF_MIN_GAIN
+        else:  # its own held-out slice; no held-out data: no evidence that training stopped paying, so no back-off
+            self._round_gained = (old is None or new is None
+                                  or new["accept_proxy"] >= (1 + BACKOFF_MIN_GAIN) * old["accept_proxy"])
+        self._before_last = snapshot if publish else None
         if stats.last is not None:
             self.last_train = {"drafter/loss": stats.last.loss, "drafter/acc": stats.last.acc}
         if new is not None:
@@ -295,6 +329,8 @@ class OnlineDrafterHook(DrafterHook):
                 "drafter_steps": self.trainer.total_steps, "generator": self.trainer.generator.get_state(),
                 "last_train": dict(self.last_train), "new_tokens": self.new_tokens, "last_step": self.last_step,
                 "backoff": [self.backoff_gap, self.skip_left],
+                "before_last": None if self._before_last is None else {k: v.detach().to("cpu", copy=True) for k, v
+                                                                       in self._before_last.items()},
                 "buffer": self.buffer.state_dict() if self.save_buffer else None,
                 "frozen": None if self.frozen is None else {k: v.detach().to("cpu", copy=True) for k, v in
                                                             self.frozen.drafter.trainable_state_dict().items()}}
@@ -320,6 +356,9 @@ class OnlineDrafterHook(DrafterHook):
         # a run resumed with a lower backoff_max_steps (0: off) does not wait out the checkpoint's longer skip
         cap = self.cfg.backoff_max_steps
         self.backoff_gap, self.skip_left = (min(int(v), cap) for v in state.get("backoff", [0, 0]))
+        before = state.get("before_last")
+        self._before_last = None if before is None else {k: v.to(self.drafter.fc.weight.device) for k, v in
+                                                         before.items()}
         if self.frozen is not None and state.get("frozen") is not None:  # the run's warm start, not the resumed one
             self.frozen.drafter.load_state_dict(state["frozen"], strict=False)
 
