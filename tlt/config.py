@@ -154,19 +154,20 @@ class DrafterTrainConfig:
     holdout_fraction: float = _f(0.05, "fraction of samples held out for acceptance metrics", ge=0, le=0.5)
     compare_drafters: bool = _f(True, "score online vs frozen warm-start vs n-gram drafters on each step's "
                                       "held-out responses (drafter/compare/*)")
-    warmup_num_prompts: int = _f(256, "warm-up drafter (built once and cached when speculative.model is null with the "
-                                     "default model): training prompts, the first N of the run's train file (the "
-                                     "default task's for the default data)", ge=1)
+    warmup_num_prompts: int = _f(256, "warm-up drafter (built once and cached when speculative.model is null with "
+                                      "the default model): training prompts, the first N of the run's train file "
+                                      "(the default task's for the default data)", ge=1)
     warmup_samples_per_prompt: int = _f(1, "warm-up drafter: the target's samples per prompt and temperature", ge=1)
     warmup_max_tokens: int = _f(128, "warm-up drafter: max tokens per sample", ge=1)
     warmup_steps: int = _f(200, "warm-up drafter: optimiser steps", ge=1)
     warmup_temperatures: list[float] | None = _f(None, "warm-up drafter: sampling temperatures; null = the run's "
                                                        "rollout.temperature, the law its drafts must hold")
     backoff_max_steps: int = _f(
-        8, "in-process runs: after a round that did not raise the held-out accept length by 5% and a rollout where "
-           "SD saved no time, skip the next 1, 2, 4, ... rounds' turns (at most this many in a row; a skipped turn "
-           "drops its training, its data stays in the buffer): a round shares the rollout's machine and reopens the "
-           "bandit's closed buckets. 0 = a round every every_k_steps; inert without held-out data "
+        8, "in-process runs: after a round that did not raise the held-out accept length by 5% (on the next step's "
+           "held-out responses, against the weights it started from) and a rollout where SD saved no time, skip "
+           "the next 1, 2, 4, ... rounds' turns (at most this many in a row; a skipped turn drops its training, its "
+           "data stays in the buffer): a round shares the rollout's machine and reopens the bandit's closed "
+           "buckets. 0 = a round every every_k_steps; inert without held-out data "
            "(holdout_fraction=0). Whether a round runs then depends on measured times (docs/design.md §5)", ge=0)
     spot: bool | None = _f(
         None, "in-process runs: true = train the drafter on the steps so far in a thread alongside the next rollout, "

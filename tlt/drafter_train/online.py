@@ -32,9 +32,10 @@ rollout where SD saved no time (spec_net_saved_s <= 0), the next 1, then 2, 4, .
 most backoff_max_steps in a row); a rollout where SD saved time, or a round that gained, ends the back-off from the
 next turn. A round's gain is measured where it will be used: on the next step's held-out responses (prompts no
 drafter trained on), the published drafter against the weights before that round, at the start of the next round.
-Held-out responses of the round's own step share their prompts with its training data, so there every round
-gained (7-17% a round where the next steps' responses showed none). Without such responses (the first round, a
-refused publish, holdout_fraction=0) the round's own held-out slice decides. A skipped turn drops its training: the next round trains one pass over what arrived after it, and the
+Held-out responses of the round's own step share their prompts with its training data: there every round of the
+default task gained 7-17%, while on the next steps' responses the online drafter did not beat the frozen warm-up.
+Without such responses (the first round, a refused publish, holdout_fraction=0) the round's own held-out slice
+decides. A skipped turn drops its training: the next round trains one pass over what arrived after it, and the
 skipped steps' data stays in the buffer, where later rounds sample it (docs/design.md §5).
 
 The hook's checkpoint state is the published drafter weights, the optimiser, the sampling generator, the

@@ -83,7 +83,7 @@ def default_arm_table(device: str = "cpu") -> tuple[list[float], list[list[Arm]]
     """(bucket upper bounds, arms per bucket). "gpu": fastrl's table (depth 8, topk 4; verify budget by bucket
     bs 1 -> 48, 2-4 -> 32, 5-20 -> 16, >= 21 -> 8) plus chains, n-gram and off. "cpu": for a ~135M target on 2
     cores, where a verify token costs a real fraction of a decode step: short chains (depth 1 pays first: one draft
-    token, accepted about half the time at temperature 0.6), one small tree at bs 1, n-gram and off. Each arm a
+    token, accepted about 45% of the time at temperature 0.6), one small tree at bs 1, n-gram and off. Each arm a
     bucket holds is explored again after every publish, so arms that never paid on a CPU are left out
     (docs/results/spec_arms_cpu-zen4_2026-11-26.txt)."""
     bounds = [1, 4, 20, math.inf]
