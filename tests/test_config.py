@@ -110,8 +110,9 @@ def test_rollout_dtype_auto_is_bf16_where_bf16_is_fast(monkeypatch, fast_bf16):
     assert load_config(None, ["model.device=cpu", "model.dtype=bfloat16"]).rollout_dtype() == "bfloat16"
 
 
-@pytest.mark.parametrize("value", ["[]", "[-1]", "[0.7, 0]"])
+@pytest.mark.parametrize("value", ["[]", "[-1]", "[0.7, -0.5]"])
 def test_warmup_temperatures_are_checked_at_load(value):
     with pytest.raises(ConfigError, match="warmup_temperatures"):
         load_config(None, [f"drafter_train.warmup_temperatures={value}"])
-    load_config(None, ["drafter_train.warmup_temperatures=[0.7, 1.0]"])  # control
+    load_config(None, ["drafter_train.warmup_temperatures=[0.7, 1.0]"])  # controls; 0 = greedy, as for rollouts
+    load_config(None, ["drafter_train.warmup_temperatures=[0]"])

@@ -302,7 +302,8 @@ def test_rounds_back_off_while_sd_saves_nothing_and_rounds_gain_nothing(tiny_lla
 
         def evaluate(batch, **kw):
             index = weights.setdefault(float(hook.drafter.fc.weight.detach().double().sum()), len(weights))
-            rises = gains if batch is not (fresh[0] if fresh else None) or gains_on_fresh is None else gains_on_fresh
+            on_fresh = bool(fresh) and fresh[0] is not None and batch is fresh[0][0]
+            rises = gains_on_fresh if on_fresh and gains_on_fresh is not None else gains
             return {"acc": 0.5, "accept_proxy": 1.5 * 1.1 ** (index * rises)}
         hook.trainer.evaluate = evaluate
         return hook
@@ -356,6 +357,22 @@ def test_rounds_back_off_while_sd_saves_nothing_and_rounds_gain_nothing(tiny_lla
     assert skipped(ran) == [0, 1, 2, 4], ran
     ran = rounds(8, 0.0, gains=False, gains_on_fresh=True)  # control: they gain where they are used (the first,
     assert skipped(ran) == [1] + [0] * (len(ran) - 2), ran  # judged on its own slice, is skipped after once)
+    # resumed between rounds judged on the next step's responses, it goes on as the uninterrupted hook does
+    judged = make(8, gains=True, gains_on_fresh=False)
+    run(judged, 0.0, range(1, 6))
+    again = make(8, gains=True, gains_on_fresh=False)
+    again.load_state_dict(judged.state_dict())
+    assert judged._before_last is not None and again._before_last is not None
+    assert run(again, 0.0, range(6, 20))[0] == run(judged, 0.0, range(6, 20))[0]
+    # a refused publish leaves the published weights, and so the judge of the last published round; without fresh
+    # responses to judge it by there is no verdict (control: a judged gain is one)
+    from tlt.drafter_train.trainer import TrainStats
+    kept, weights = judged._before_last, {k: v.clone() for k, v in judged.drafter.trainable_state_dict().items()}
+    worse = ({"acc": 0.6, "accept_proxy": 2.0}, {"acc": 0.5, "accept_proxy": 2.4})  # in-sample gain, lower acc
+    assert judged._finish(20, TrainStats(steps=1), *worse, weights, 0.1)["drafter/published"] == 0
+    assert judged._before_last is kept and judged._round_gained is None
+    judged._finish(21, TrainStats(steps=1), *worse, weights, 0.1, last_gain=0.2)
+    assert judged._round_gained is True and judged._before_last is kept
     # the drafter comparison skips with the rounds (control: every step without the back-off)
     compared = [run(make(m, gains=False, compare=True), 0.0, range(1, 15))[2] for m in (8, 0)]
     assert 0 < compared[0] < compared[1], compared

@@ -96,3 +96,8 @@ def test_recipe_warms_up_a_stronger_drafter_on_its_own_data(monkeypatch, tmp_pat
     assert (build["num_prompts"], build["n"], build["max_tokens"], build["steps"]) == (256, 4, 1024, 2000)
     assert build["temperatures"] == "1.0" and build["data"] == "configs/longtail_data/train.jsonl"
     assert offline.drafter_cache_dir("m", build) != offline.drafter_cache_dir("m", offline.DEFAULT_BUILD)
+    # warmup_temperatures=null: the warm-up samples at the run's rollout temperature
+    cfg = load_config(None, ["rollout.temperature=0.8", f"data.train_files=[{root / cfg.data.train_files[0]}]"])
+    seen.clear()
+    prepare_config(cfg, DistInfo(rank=0, world_size=1))
+    assert seen["build"]["temperatures"] == "0.8" and cfg.drafter_train.warmup_temperatures is None

@@ -101,14 +101,14 @@ def test_the_warm_up_samples_at_the_rollout_temperature():
     """warmup_temperatures=null follows rollout.temperature; the default build is the default config's."""
     from tlt.config import DrafterTrainConfig, load_config
     from tlt.rl.trainer import DEFAULT_CONFIG
-    assert offline.warmup_build(DrafterTrainConfig(), temperature=1.0)["temperatures"] == "1.0"
-    assert offline.warmup_build(DrafterTrainConfig(warmup_temperatures=[0.7, 1.0]), temperature=0.2)[
+    assert offline.warmup_build(DrafterTrainConfig(), None, temperature=1.0)["temperatures"] == "1.0"
+    assert offline.warmup_build(DrafterTrainConfig(warmup_temperatures=[0.7, 1]), None, temperature=0.2)[
         "temperatures"] == "0.7,1.0"
     default = load_config(str(DEFAULT_CONFIG))
     assert default.rollout.temperature == offline.DEFAULT_TEMPERATURE
-    build = offline.warmup_build(default.drafter_train, temperature=default.rollout.temperature)
+    build = offline.warmup_build(default.drafter_train, None, temperature=default.rollout.temperature)
     assert offline.drafter_cache_dir("m", build) == offline.drafter_cache_dir("m", offline.DEFAULT_BUILD)
-    assert offline.drafter_cache_dir("m", offline.warmup_build(default.drafter_train, temperature=1.0)) != \
+    assert offline.drafter_cache_dir("m", offline.warmup_build(default.drafter_train, None, temperature=1.0)) != \
         offline.drafter_cache_dir("m", offline.DEFAULT_BUILD)  # another temperature: another build
 
 
@@ -137,13 +137,13 @@ def test_warmup_keys_choose_the_build_and_its_own_cache_dir(tiny, tmp_path, monk
     from tlt.config import DrafterTrainConfig
     model_dir, data = tiny
     monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
-    default = offline.warmup_build(DrafterTrainConfig())
+    default = offline.warmup_build(DrafterTrainConfig(), None, offline.DEFAULT_TEMPERATURE)
     assert offline.drafter_cache_dir(model_dir, default) == tmp_path / "cache" / "drafters" / "tiny"  # as before
-    unrolled = offline.warmup_build(DrafterTrainConfig(ttt_steps=3))  # unrolled training: a build of its own
+    unrolled = offline.warmup_build(DrafterTrainConfig(ttt_steps=3), None, offline.DEFAULT_TEMPERATURE)  # unrolled training: a build of its own
     assert unrolled["ttt_steps"] == 3 and offline.drafter_cache_dir(model_dir, unrolled).name.startswith("tiny-")
     strong_cfg = DrafterTrainConfig(warmup_num_prompts=6, warmup_samples_per_prompt=2, warmup_max_tokens=8,
                                     warmup_steps=3, warmup_temperatures=[0.7], ttt_steps=2)
-    strong = offline.warmup_build(strong_cfg, data) | dict(draft_vocab=0, batch_tokens=64, window_len=16,
+    strong = offline.warmup_build(strong_cfg, data, offline.DEFAULT_TEMPERATURE) | dict(draft_vocab=0, batch_tokens=64, window_len=16,
                                                           holdout_every=4, amp="none", dtype="float32")
     assert (strong["num_prompts"], strong["n"], strong["max_tokens"], strong["steps"], strong["temperatures"]) == \
         (6, 2, 8, 3, "0.7")

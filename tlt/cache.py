@@ -30,7 +30,15 @@ def build_atomically(out: Path, build: Callable[[Path], None], is_complete: Call
         for f in tmp.iterdir():
             f.chmod(0o644)
         if out.exists() and not is_complete(out):
-            shutil.rmtree(out)  # leftover of an interrupted or older layout: replace it
+            # a leftover of an interrupted or another build: moved aside whole (a concurrent builder may be doing
+            # the same: then the other's move wins), then removed
+            aside = out.with_name(f"{tmp.name}.old")
+            try:
+                out.rename(aside)
+            except FileNotFoundError:
+                pass
+            else:
+                shutil.rmtree(aside, ignore_errors=True)
         try:
             tmp.rename(out)
         except OSError:

@@ -289,9 +289,9 @@ def _validate(cfg: Config) -> None:
     if len(a.betas) != 2 or not all(0 <= b < 1 for b in a.betas):
         raise ConfigError(f"actor.betas={a.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
     temps = cfg.drafter_train.warmup_temperatures
-    if temps is not None and (not temps or not all(t > 0 for t in temps)):
-        raise ConfigError(f"drafter_train.warmup_temperatures={temps} must be a non-empty list of temperatures > 0, "
-                          "e.g. [1.0]")
+    if temps is not None and (not temps or not all(t >= 0 for t in temps)):
+        raise ConfigError(f"drafter_train.warmup_temperatures={temps} must be a non-empty list of temperatures >= 0 "
+                          "(0 = greedy, as rollout.temperature), e.g. [1.0]")
     if s.enabled:
         s.validate(prefix="speculative.")
         if s.seed != 0:

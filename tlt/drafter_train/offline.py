@@ -215,21 +215,21 @@ def _metrics_table(before: dict, after: dict) -> str:
 DEFAULT_TEMPERATURE = 0.6
 # Sized to build in about three minutes on 2 CPU cores (measured: see provenance.json's generate_s / train_s), at
 # the temperature the drafter will serve: 64 prompts at 1.0 and 80 steps overfit (held-out top-1 0.33, training
-# 0.66) and accepted 1.51 tokens a depth-4 chain at 0.6; this build 1.79 (docs/results/drafter_warmup_*). One
+# 0.66) and accepted 1.51 tokens a depth-4 chain at 0.6; this build 1.79 (docs/design.md §2). One
 # thread: on a shared machine, OpenMP threads contending with other processes made the same build 5x slower.
 DEFAULT_BUILD = dict(num_prompts=256, max_tokens=128, steps=200, draft_vocab=8192, threads=1,
                      temperatures=str(DEFAULT_TEMPERATURE))
 
 
-def warmup_build(dt, data: str | None = None, temperature: float = DEFAULT_TEMPERATURE) -> dict:
+def warmup_build(dt, data: str | None, temperature: float) -> dict:
     """OfflineConfig fields of the warm-up drafter that a DrafterTrainConfig's warmup_* keys ask for, on `data`
     (None: the default task), sampled at `temperature` (the run's rollout temperature) unless warmup_temperatures
     names others. The keys' defaults at the default config's temperature give DEFAULT_BUILD; larger values give a
     stronger drafter (more of the target's own samples, longer responses, more steps)."""
-    temps = dt.warmup_temperatures or [temperature]
+    temps = dt.warmup_temperatures or [temperature]  # one spelling a temperature: 1 and 1.0 are one build
     build = dict(DEFAULT_BUILD, num_prompts=dt.warmup_num_prompts, n=dt.warmup_samples_per_prompt,
                  max_tokens=dt.warmup_max_tokens, steps=dt.warmup_steps, ttt_steps=dt.ttt_steps,
-                 temperatures=",".join(map(str, temps)))
+                 temperatures=",".join(str(float(t)) for t in temps))
     return build | ({"data": data} if data else {})
 
 

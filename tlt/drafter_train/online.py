@@ -32,11 +32,13 @@ rollout where SD saved no time (spec_net_saved_s <= 0), the next 1, then 2, 4, .
 most backoff_max_steps in a row); a rollout where SD saved time, or a round that gained, ends the back-off from the
 next turn. A round's gain is measured where it will be used: on the next step's held-out responses (prompts no
 drafter trained on), the published drafter against the weights before that round, at the start of the next round.
-Held-out responses of the round's own step share their prompts with its training data: there every round of the
-default task gained 7-17%, while on the next steps' responses the online drafter did not beat the frozen warm-up.
-Without such responses (the first round, a refused publish, holdout_fraction=0) the round's own held-out slice
-decides. A skipped turn drops its training: the next round trains one pass over what arrived after it, and the
-skipped steps' data stays in the buffer, where later rounds sample it (docs/design.md §5).
+Held-out responses of the round's own step share their prompts with its training data, so they score the round on
+responses like those it trained on, while the drafter serves the next steps' prompts.
+Before any round has published, the round's own held-out slice decides; without fresh responses to judge a
+published round by (holdout_fraction=0; a spot run's first round after a resume, whose previous step's responses
+are not checkpointed) there is no verdict and the back-off stays as it is. A skipped turn drops its training: the
+next round trains one pass over what arrived after it, and the skipped steps' data stays in the buffer, where later
+rounds sample it (docs/design.md §5).
 
 The hook's checkpoint state is the published drafter weights, the optimiser, the sampling generator, the
 counters and the buffer (its hidden states too: a resumed run must train on what the uninterrupted one would, to
@@ -106,6 +108,7 @@ class OnlineDrafterHook(DrafterHook):
         self.skip_left = 0     # of those, still to skip
         self._round_gained: bool | None = None  # set by _finish: this step's round raised the accept length enough
         self._before_last: dict[str, torch.Tensor] | None = None  # the weights the last published round started from
+        self._fresh: tuple[PackedBatch, TargetCache] | None = None  # fresh_batch(), shared within a step
 
     # ---- the hook ----------------------------------------------------------------------------------------
     def before_rollout(self, step: int) -> None:
@@ -127,6 +130,8 @@ class OnlineDrafterHook(DrafterHook):
                         result["trained"] = self._train(self.last_step, pause=self._may_run)
                 except BaseException as e:  # re-raised in the main thread by after_rollout
                     result["error"] = e
+                finally:
+                    self._fresh = None
             thread = threading.Thread(target=work, name="tlt-spot-drafter", daemon=True)
             thread.start()
             self._pending = (thread, result)
@@ -167,6 +172,7 @@ class OnlineDrafterHook(DrafterHook):
             metrics.update(self.compare_drafters())
         if not self.spot and self._due(step):
             metrics.update(self.train_session(step))
+        self._fresh = None  # the fresh batch's target side is large: not held through the update
         metrics |= self._back_off()
         metrics |= self.last_train  # loss/acc of the latest round, so the curves have a value every step
         metrics.update({"drafter/version": float(self.version), "drafter/buffer_tokens": float(self.buffer.num_tokens)})
@@ -174,7 +180,7 @@ class OnlineDrafterHook(DrafterHook):
 
     def add_outputs(self, step: int, outputs: list[RequestOutput]) -> None:
         """Every response's hidden states: hidden[i] produced response token i, i.e. is h at position P-1+i."""
-        self.fresh_heldout = []
+        self.fresh_heldout, self._fresh = [], None
         for out in outputs:
             prompt = list(out.prompt_token_ids)
             group = [list(c.token_ids) for c in out.outputs]
@@ -192,19 +198,20 @@ class OnlineDrafterHook(DrafterHook):
                 if sample.heldout and len(group[i]) > 1 and completion.hidden_start == 0:
                     self.fresh_heldout.append((sample, prompt, group, i))
 
-    def fresh_batch(self) -> PackedBatch | None:
-        """The newest step's held-out responses, packed: prompts no drafter has trained on (None without any)."""
-        if not self.fresh_heldout:
-            return None
-        return pack([s.window(a, b) for s, *_ in self.fresh_heldout for _, a, b in self.buffer.windows_of(s)],
-                    self.cfg.batch_tokens)
+    def fresh_batch(self) -> tuple[PackedBatch, TargetCache] | None:
+        """The newest step's held-out responses, packed (prompts no drafter has trained on), with a target side
+        that the comparison and the back-off's judge share; None without any. Built once a step, dropped when the
+        step's drafter work is done."""
+        if self._fresh is None and self.fresh_heldout:
+            self._fresh = (pack([s.window(a, b) for s, *_ in self.fresh_heldout
+                                 for _, a, b in self.buffer.windows_of(s)], self.cfg.batch_tokens), TargetCache())
+        return self._fresh
 
     def compare_drafters(self) -> dict[str, float]:
         """Accept-length proxy of the online, frozen warm-start and n-gram drafters on this step's held-out
         responses, before the drafter trains on the step (tlt.drafter_train.compare)."""
         t0 = time.perf_counter()
-        batch = self.fresh_batch()
-        targets = TargetCache()  # one target side for both drafters, freed on return
+        batch, targets = self.fresh_batch()  # one target side for the drafters (and the back-off's judge)
         online = self.trainer.evaluate(batch, targets=targets)
         frozen = self.frozen.evaluate(batch, targets=targets)
         ngram = torch.cat([compare.accept_from_hits(compare.ngram_hits(
@@ -279,10 +286,10 @@ class OnlineDrafterHook(DrafterHook):
         """What the last published round bought where it is used: the accept-length proxy of the published drafter
         over the weights that round started from, on the newest step's held-out responses (before training on
         them), as a fraction; None without a published round to judge, fresh responses, or the back-off."""
-        batch = self.fresh_batch() if self._before_last is not None and self.cfg.backoff_max_steps else None
-        if batch is None:
+        fresh = self.fresh_batch() if self._before_last is not None and self.cfg.backoff_max_steps else None
+        if fresh is None:
             return None
-        targets = TargetCache()
+        batch, targets = fresh
         now = self.trainer.evaluate(batch, targets=targets)["accept_proxy"]
         published = {k: v.clone() for k, v in self.drafter.trainable_state_dict().items()}
         self.drafter.load_state_dict(self._before_last, strict=False)
@@ -304,13 +311,17 @@ class OnlineDrafterHook(DrafterHook):
             self.drafter.load_state_dict(snapshot, strict=False)  # refused: keep training from the published one
         out = {"drafter/steps": float(stats.steps), "drafter/published": float(publish),
                "drafter/train_time_s": seconds}
-        if last_gain is not None:  # the previous round, judged on responses to prompts it never saw
+        if last_gain is not None:  # the last published round, judged on responses to prompts it never saw
             out["drafter/last_round_gain"] = last_gain
             self._round_gained = last_gain >= BACKOFF_MIN_GAIN
-        else:  # its own held-out slice; no held-out data: no evidence that training stopped paying, so no back-off
+        elif self._before_last is None:  # no published round yet: this one's own held-out slice (no held-out
+            # data: no evidence that training stopped paying, so no back-off)
             self._round_gained = (old is None or new is None
                                   or new["accept_proxy"] >= (1 + BACKOFF_MIN_GAIN) * old["accept_proxy"])
-        self._before_last = snapshot if publish else None
+        else:  # a published round but no fresh responses to judge it by: no verdict, the back-off stays as it is
+            self._round_gained = None
+        if publish and self.cfg.backoff_max_steps:  # a refused round leaves the published weights, and the judge
+            self._before_last = snapshot
         if stats.last is not None:
             self.last_train = {"drafter/loss": stats.last.loss, "drafter/acc": stats.last.acc}
         if new is not None:

@@ -156,7 +156,7 @@ def prepare_config(cfg: Config, info: DistInfo) -> None:
         if s.enabled and s.method == "eagle" and s.model is None:
             from tlt.drafter_train.offline import default_drafter_path, warmup_build  # built once, then cached
             build = warmup_build(cfg.drafter_train, None if default_data else cfg.data.train_files[0],
-                                 cfg.rollout.temperature)
+                                 temperature=cfg.rollout.temperature)
             s.model = str(_on_main(info, lambda: default_drafter_path(cfg.model.path, build)))
     elif cfg.model.path == TINY_MODEL_NAME:
         from tlt.rl.tiny_model import tiny_random_model_path
