@@ -60,7 +60,9 @@ def test_key_value_and_flag_spellings_agree():
         offline.parse_args(["no_such_option=1"])
 
 
-def test_default_drafter_path_builds_once(tiny, tmp_path, monkeypatch):
+def test_default_drafter_path_builds_once(tiny, tmp_path, monkeypatch, capsys):
+    """Built once, then reused; a new version's default build replaces the older default drafter in the same
+    directory (the default build's directory has no build suffix)."""
     model_dir, data = tiny
     monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
     build = dict(data=data, num_prompts=8, max_tokens=8, steps=2, draft_vocab=0, batch_tokens=64, window_len=16,
@@ -74,27 +76,13 @@ def test_default_drafter_path_builds_once(tiny, tmp_path, monkeypatch):
     stamp = (path / "provenance.json").stat().st_mtime_ns
     assert offline.default_drafter_path(model_dir) == path  # cached: not rebuilt
     assert (path / "provenance.json").stat().st_mtime_ns == stamp
-
-
-def test_a_cached_drafter_of_another_build_is_rebuilt(tiny, tmp_path, monkeypatch, capsys):
-    """A new version's default build replaces the older default drafter in the same directory (the default build's
-    directory has no build suffix); an unchanged build is reused."""
-    model_dir, data = tiny
-    monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
-    old = dict(data=data, num_prompts=4, max_tokens=8, steps=2, draft_vocab=0, batch_tokens=64, window_len=16,
-               holdout_every=4, amp="none", dtype="float32", temperatures="1.0", threads=1)
-    monkeypatch.setattr(offline, "DEFAULT_BUILD", old)
-    path = offline.default_drafter_path(model_dir)
-    stamp = (path / "provenance.json").stat().st_mtime_ns
-    assert offline.default_drafter_path(model_dir) == path and (path / "provenance.json").stat().st_mtime_ns == stamp
     assert "rebuilding" not in capsys.readouterr().out
-    new = dict(old, num_prompts=8, temperatures="0.5")
-    monkeypatch.setattr(offline, "DEFAULT_BUILD", new)
+    monkeypatch.setattr(offline, "DEFAULT_BUILD", dict(build, num_prompts=4, temperatures="0.5"))
     assert offline.default_drafter_path(model_dir) == path  # the same directory
     assert "built with other settings than this version's: rebuilding it" in capsys.readouterr().out
     prov = json.loads((path / "provenance.json").read_text())
-    assert prov["num_samples"] == 8 and prov["config"]["temperatures"] == "0.5"
-    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]
+    assert prov["num_samples"] == 4 and prov["config"]["temperatures"] == "0.5"
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # nothing left aside
 
 
 def test_the_warm_up_samples_at_the_rollout_temperature():
