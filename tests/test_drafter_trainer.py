@@ -269,12 +269,13 @@ def test_ttt_steps_reach_the_online_and_replica_trainers(tiny_llama_dir, tmp_pat
 
 
 @pytest.mark.parametrize("spot", [False, True])
-def test_rounds_back_off_while_sd_saves_nothing_and_rounds_gain_nothing(tiny_llama_dir, tmp_path, spot):
-    """drafter_train.backoff_max_steps (docs/design.md §5): after a round that did not raise the held-out accept
-    length and a rollout where SD saved no time, the next 1, 2, 4, ... rounds' turns are skipped, at most
-    backoff_max_steps in a row, with the drafter comparison; a skipped turn drops its training; the state survives
-    a checkpoint, and a run resumed with the back-off off trains again. Controls: with backoff_max_steps=0, with SD
-    saving time, or with rounds that gain, a round runs every turn."""
+def test_rounds_back_off_while_they_do_not_pay_for_themselves(tiny_llama_dir, tmp_path, spot):
+    """drafter_train.backoff_max_steps (docs/design.md §5): while SD's net saving in a rollout, plus what the last
+    round's accept-length gain adds to it, is less than what a round added to its step, the next 1, 2, 4, ...
+    rounds' turns are skipped after each round's verdict, at most backoff_max_steps in a row, with the drafter
+    comparison; a skipped turn drops its training; the state survives a checkpoint, and a run resumed with the
+    back-off off trains again. Controls: with backoff_max_steps=0, with SD saving more than a round costs, or with
+    rounds whose gain is worth more (SD steps' time times the gain), a round runs every turn."""
     import itertools
 
     import tlt
@@ -308,12 +309,15 @@ def test_rounds_back_off_while_sd_saves_nothing_and_rounds_gain_nothing(tiny_lla
         hook.trainer.evaluate = evaluate
         return hook
 
-    def run(hook, sd_saved_s: float, steps: range):
+    def run(hook, sd_saved_s: float, steps: range, sd_time_s: float = 100.0):
+        """sd_time_s: the rollouts' SD steps took this long (a 10% gain in accept length is worth a tenth of it, far
+        more than a round on the tiny model costs)."""
         ran, steps_trained, compared = [], [], 0
         for step in steps:
             hook.before_rollout(step)
-            llm.spec.reset_stats()  # "the rollout": SD saved sd_saved_s seconds
-            llm.spec.st["plain_equiv_s"] = sd_saved_s
+            llm.spec.reset_stats()  # "the rollout": SD steps took sd_time_s seconds and saved sd_saved_s seconds
+            llm.spec.st["sd_step_time_s"] = sd_time_s
+            llm.spec.st["plain_equiv_s"] = sd_time_s + sd_saved_s
             hook.rollout_done(step)
             m = hook.after_rollout(step, None, outs)
             if m["drafter/steps"] > 0:
@@ -322,8 +326,8 @@ def test_rounds_back_off_while_sd_saves_nothing_and_rounds_gain_nothing(tiny_lla
             compared += "drafter/compare/tokens" in m
         return ran, steps_trained, compared
 
-    def rounds(backoff_max_steps: int, sd_saved_s: float, gains: bool, **kw):
-        return run(make(backoff_max_steps, gains, **kw), sd_saved_s, range(1, 15))[0]
+    def rounds(backoff_max_steps: int, sd_saved_s: float, gains: bool, sd_time_s: float = 100.0, **kw):
+        return run(make(backoff_max_steps, gains, **kw), sd_saved_s, range(1, 15), sd_time_s)[0]
 
     def skipped(ran, k=1):  # turns skipped between the rounds that ran
         return [(b - a) // k - 1 for a, b in zip(ran, ran[1:])]
@@ -349,8 +353,10 @@ def test_rounds_back_off_while_sd_saves_nothing_and_rounds_gain_nothing(tiny_lla
     first = 1 + spot  # a spot round trains during the next step's rollout
     every_step = list(range(first, 15))
     assert rounds(0, 0.0, gains=False) == every_step   # control: no back-off
-    assert rounds(8, 0.5, gains=False) == every_step   # control: SD saved time
-    assert rounds(8, 0.0, gains=True) == every_step    # control: the rounds raise the accept length
+    assert rounds(8, 1e3, gains=False) == every_step   # control: SD saved more than a round costs
+    assert skipped(rounds(8, 1e-6, gains=False)) == [1, 2, 4]  # SD saved time, but less than a round costs
+    assert rounds(8, 0.0, gains=True) == every_step    # control: the rounds raise the accept length, worth 10 s
+    assert skipped(rounds(8, 0.0, gains=True, sd_time_s=0.0)) == [1, 2, 4]  # a gain where SD ran no step: nothing
     # a round judged on the next step's responses: gains on its own step's held-out slice only (the same prompts as
     # its training data) do not hold the back-off off; the first round, with nothing to judge yet, counts its own
     ran, *_ = run(make(8, gains=True, gains_on_fresh=False), 0.0, range(1, 15))
@@ -370,9 +376,9 @@ def test_rounds_back_off_while_sd_saves_nothing_and_rounds_gain_nothing(tiny_lla
     kept, weights = judged._before_last, {k: v.clone() for k, v in judged.drafter.trainable_state_dict().items()}
     worse = ({"acc": 0.6, "accept_proxy": 2.0}, {"acc": 0.5, "accept_proxy": 2.4})  # in-sample gain, lower acc
     assert judged._finish(20, TrainStats(steps=1), *worse, weights, 0.1)["drafter/published"] == 0
-    assert judged._before_last is kept and judged._round_gained is None
+    assert judged._before_last is kept and judged._round_gain is None
     judged._finish(21, TrainStats(steps=1), *worse, weights, 0.1, last_gain=0.2)
-    assert judged._round_gained is True and judged._before_last is kept
+    assert judged._round_gain == 0.2 and judged._before_last is kept
     # the drafter comparison skips with the rounds (control: every step without the back-off)
     compared = [run(make(m, gains=False, compare=True), 0.0, range(1, 15))[2] for m in (8, 0)]
     assert 0 < compared[0] < compared[1], compared

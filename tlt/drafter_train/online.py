@@ -27,14 +27,17 @@ step whose rollout it ran alongside (drafter/compare/rl_step names the responses
 Back-off (drafter_train.backoff_max_steps): a round is not free here. It shares the rollout's machine (a thread on
 the "idle" core slowed a 2-core CPU's rollout by 5-15%: docs/results/spot_contention_cpu-zen4_2026-11-26.txt), or
 runs on top of the step, and each publish reopens the bandit's closed buckets, whose exploration and capture then
-cost the next rollout again. So after a round whose held-out accept length did not rise by BACKOFF_MIN_GAIN and a
-rollout where SD saved no time (spec_net_saved_s <= 0), the next 1, then 2, 4, ... rounds' turns are skipped (at
-most backoff_max_steps in a row); a rollout where SD saved time, or a round that gained, ends the back-off from the
-next turn. A round's gain is measured where it will be used: on the next step's held-out responses (prompts no
-drafter trained on), the published drafter against the weights before that round, at the start of the next round.
-Held-out responses of the round's own step share their prompts with its training data, so they score the round on
-responses like those it trained on, while the drafter serves the next steps' prompts.
-Before any round has published, the round's own held-out slice decides; without fresh responses to judge a
+cost the next rollout again. So the rounds must pay for themselves: a round's cost is what it added to its step
+(its training and the comparison, or with spot what the step waited for it), and what the drafter is worth a
+rollout is SD's net saving there (spec_net_saved_s) plus what the last round's gain would add to it (the gain in
+held-out accept length times plain decoding's time for the SD steps' tokens: an SD step that accepts a fraction g
+more saves g of that time more). While that falls short of the round's cost, each round that gets a verdict
+skips the next 1, then 2, 4, ... turns (at most backoff_max_steps in a row); a rollout where it does not ends the
+back-off from the next turn. A round's gain is measured where it will be used: on the next step's held-out
+responses (prompts no drafter trained on), the published drafter against the weights before that round, at the
+start of the next round. Held-out responses of the round's own step share their prompts with its training data,
+so they score the round on responses like those it trained on, while the drafter serves the next steps' prompts.
+Before any round has published, the round's own held-out slice gives the gain; without fresh responses to judge a
 published round by (holdout_fraction=0; a spot run's first round after a resume, whose previous step's responses
 are not checkpointed) there is no verdict and the back-off stays as it is. A skipped turn drops its training: the
 next round trains one pass over what arrived after it, and the skipped steps' data stays in the buffer, where later
@@ -66,7 +69,6 @@ from tlt.speculative.drafter import Drafter
 from tlt.speculative.drafter_io import save_drafter
 
 HELDOUT_BATCHES = 4  # held-out evaluation uses at most this many packed rows of batch_tokens (newest samples)
-BACKOFF_MIN_GAIN = 0.05  # a round "gained" when the held-out accept length rose by this fraction (see the doc)
 
 
 class OnlineDrafterHook(DrafterHook):
@@ -104,9 +106,10 @@ class OnlineDrafterHook(DrafterHook):
         self._may_run.set()
         self._paused = threading.Event()   # set by the spot round while it waits for _may_run
         self._yield_s = 0.0                 # what rollout_done waited for the round's step in flight
-        self.backoff_gap = 0   # turns skipped after the latest round that neither gained nor followed a paying rollout
+        self.backoff_gap = 0   # turns skipped after the latest round that did not pay for itself
         self.skip_left = 0     # of those, still to skip
-        self._round_gained: bool | None = None  # set by _finish: this step's round raised the accept length enough
+        self.round_cost = 0.0  # seconds the latest round added to its step (the back-off's price of a round)
+        self._round_gain: float | None = None  # set by _finish: the verdict on a round (its accept-length gain)
         self._before_last: dict[str, torch.Tensor] | None = None  # the weights the last published round started from
         self._fresh: tuple[PackedBatch, TargetCache] | None = None  # fresh_batch(), shared within a step
 
@@ -151,7 +154,7 @@ class OnlineDrafterHook(DrafterHook):
     def after_rollout(self, step: int, rollout: Any, outputs: list[RequestOutput]) -> dict[str, float]:
         metrics = {"drafter/steps": 0.0, "drafter/train_time_s": 0.0, "drafter/published": 0.0}
         self._may_run.set()
-        self._round_gained = None
+        self._round_gain = None
         if self._pending is not None:  # the spot round that ran alongside this rollout: publish it now
             thread, result = self._pending
             t0 = time.perf_counter()
@@ -164,6 +167,7 @@ class OnlineDrafterHook(DrafterHook):
             metrics.update(result.get("compare", {}))  # the previous step's responses (drafter/compare/rl_step)
             if "trained" in result:
                 metrics.update(self._finish(step, *result["trained"]))
+                self.round_cost = metrics["drafter/spot_wait_s"] + self._yield_s  # what the step waited for it
         t0 = time.perf_counter()
         self.add_outputs(step, outputs)
         metrics["drafter/buffer_time_s"] = time.perf_counter() - t0
@@ -172,6 +176,8 @@ class OnlineDrafterHook(DrafterHook):
             metrics.update(self.compare_drafters())
         if not self.spot and self._due(step):
             metrics.update(self.train_session(step))
+            # the comparison is a diagnostic that runs only with the rounds: part of what they cost
+            self.round_cost = metrics["drafter/train_time_s"] + metrics.get("drafter/compare/time_s", 0.0)
         self._fresh = None  # the fresh batch's target side is large: not held through the update
         metrics |= self._back_off()
         metrics |= self.last_train  # loss/acc of the latest round, so the curves have a value every step
@@ -238,16 +244,20 @@ class OnlineDrafterHook(DrafterHook):
         return self.frozen is not None and bool(self.fresh_heldout) and not self.skip_left
 
     def _back_off(self) -> dict[str, float]:
-        """Update the back-off after this step's rollout and round (see the module doc); its metric."""
+        """Update the back-off after this step's rollout and round (see the module doc); its metrics."""
         if not self.cfg.backoff_max_steps:
             return {}
-        if self.spec.stats()["spec_net_saved_s"] > 0:  # SD paid in this rollout: the drafter is worth training
+        st = self.spec.stats()
+        saved = st["spec_net_saved_s"]
+        plain_equiv = saved + st["spec_step_time_s"]  # plain decoding's time for the SD steps' tokens
+        worth = saved + max(self._round_gain or 0.0, 0.0) * plain_equiv  # a rollout's worth of the drafter
+        if worth * self.cfg.every_k_steps > self.round_cost:  # SD pays for the rounds (one a turn): every turn
             self.backoff_gap = self.skip_left = 0
-        elif self._round_gained is not None:  # a round finished this step
-            self.backoff_gap = 0 if self._round_gained else min(max(1, 2 * self.backoff_gap),
-                                                                 self.cfg.backoff_max_steps)
+        elif self._round_gain is not None:  # a round got its verdict this step and does not pay for itself
+            self.backoff_gap = min(max(1, 2 * self.backoff_gap), self.cfg.backoff_max_steps)
             self.skip_left = self.backoff_gap
-        return {"drafter/backoff_skip": float(self.skip_left)}
+        return {"drafter/backoff_skip": float(self.skip_left), "drafter/backoff_worth_s": worth,
+                "drafter/round_cost_s": self.round_cost}
 
     def session_steps(self) -> int:
         steps = max(1, math.ceil(self.new_tokens / self.cfg.batch_tokens))
@@ -313,13 +323,12 @@ class OnlineDrafterHook(DrafterHook):
                "drafter/train_time_s": seconds}
         if last_gain is not None:  # the last published round, judged on responses to prompts it never saw
             out["drafter/last_round_gain"] = last_gain
-            self._round_gained = last_gain >= BACKOFF_MIN_GAIN
-        elif self._before_last is None:  # no published round yet: this one's own held-out slice (no held-out
-            # data: no evidence that training stopped paying, so no back-off)
-            self._round_gained = (old is None or new is None
-                                  or new["accept_proxy"] >= (1 + BACKOFF_MIN_GAIN) * old["accept_proxy"])
+            self._round_gain = last_gain
+        elif self._before_last is None:  # no published round yet: this one's own held-out slice (without
+            # held-out data no verdict: the back-off is inert)
+            self._round_gain = None if old is None or new is None else new["accept_proxy"] / old["accept_proxy"] - 1
         else:  # a published round but no fresh responses to judge it by: no verdict, the back-off stays as it is
-            self._round_gained = None
+            self._round_gain = None
         if publish and self.cfg.backoff_max_steps:  # a refused round leaves the published weights, and the judge
             self._before_last = snapshot
         if stats.last is not None:
@@ -340,7 +349,7 @@ class OnlineDrafterHook(DrafterHook):
         return {"drafter": published, "optimizer": self.trainer.opt.state_dict(), "version": self.version,
                 "drafter_steps": self.trainer.total_steps, "generator": self.trainer.generator.get_state(),
                 "last_train": dict(self.last_train), "new_tokens": self.new_tokens, "last_step": self.last_step,
-                "backoff": [self.backoff_gap, self.skip_left],
+                "backoff": [self.backoff_gap, self.skip_left, self.round_cost],
                 "before_last": None if self._before_last is None else {k: v.detach().to("cpu", copy=True) for k, v
                                                                        in self._before_last.items()},
                 "buffer": self.buffer.state_dict() if self.save_buffer else None,
@@ -367,7 +376,9 @@ class OnlineDrafterHook(DrafterHook):
         self.new_tokens, self.last_step = int(state.get("new_tokens", 0)), int(state.get("last_step", 0))
         # a run resumed with a lower backoff_max_steps (0: off) does not wait out the checkpoint's longer skip
         cap = self.cfg.backoff_max_steps
-        self.backoff_gap, self.skip_left = (min(int(v), cap) for v in state.get("backoff", [0, 0]))
+        gap, skip, *cost = state.get("backoff", [0, 0])
+        self.backoff_gap, self.skip_left = min(int(gap), cap), min(int(skip), cap)
+        self.round_cost = float(cost[0]) if cost else 0.0
         before = state.get("before_last")
         self._before_last = None if before is None else {k: v.to(self.drafter.fc.weight.device) for k, v in
                                                          before.items()}
