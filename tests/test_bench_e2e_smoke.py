@@ -26,6 +26,16 @@ def test_e2e_quick_on_smoke_config(tmp_path, capsys, monkeypatch):
     assert result["benchmark"] == "e2e" and set(result["modes"]) == {"off", "adaptive"}
     assert len(result["modes"]["adaptive"]["per_step"]) == result["steps"] == 2
     assert "reward_diff_ci" in result["modes"]["adaptive"] and "step_speedup" in result["modes"]["adaptive"]
+    off, ad = ([s["step_s"] for s in result["modes"][m]["per_step"]] for m in ("off", "adaptive"))
+    assert result["modes"]["adaptive"]["run_speedup"] == pytest.approx(sum(off) / sum(ad))  # the whole run's
+    assert result["modes"]["adaptive"]["step1_speedup"] == pytest.approx(off[0] / ad[0])
+    assert result["modes"]["adaptive"]["later_step_speedup"] == pytest.approx(off[1] / ad[1])  # 2 steps: step 2
+    # off's step with the mode's rollout and drafter round in place of off's
+    sd = [o["step_s"] / (o["step_s"] - o["gen_s"] - o["drafter_s"] + a["gen_s"] + a["drafter_s"])
+          for o, a in zip(result["modes"]["off"]["per_step"], result["modes"]["adaptive"]["per_step"])]
+    assert result["modes"]["adaptive"]["sd_step_speedup"] == pytest.approx(sum(sd) / 2)  # 2 steps: their median
+    tail = result["modes"]["off"]["tail_decode_s"]  # decode time at a running batch <= 1, 2, 4, 8
+    assert list(tail) == ["1", "2", "4", "8"] and tail["1"] <= tail["2"] <= tail["4"] <= tail["8"]
     costs = result["costs"]  # where the time goes, per mode: the trainer's phases and SD's own costs
     assert set(costs["off"]) == set(costs["adaptive"]) == set(e2e.COSTS)
     assert costs["off"]["rollout"] > 0 and costs["off"]["verify"] is None and costs["adaptive"]["rollout"] > 0

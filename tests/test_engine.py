@@ -163,6 +163,24 @@ def test_kv_cache_slots_follow_the_running_batch(tiny_llama_dir):
     assert [o.outputs[0].token_ids for o in few] == [o.outputs[0].token_ids for o in many[:3]]
 
 
+def test_decode_time_is_split_by_how_few_sequences_ran(tiny_llama_dir):
+    """stats()["decode_time_upto_bs"][k]: decode time while at most k sequences ran (the tail). Four requests of
+    equal length run together to the end: all of it at <= 4, none at <= 2. One request of 4 that runs 12 steps past
+    the others: its steps alone count at <= 1, and every split is bounded by the next and by the whole."""
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32")
+    llm.generate(_prompts(4, seed=1), tlt.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    st = llm.stats()
+    tail = st["decode_time_upto_bs"]
+    assert list(tail) == ["1", "2", "4", "8"]
+    assert tail["1"] == tail["2"] == 0 and tail["4"] == tail["8"] == st["decode_time_s"] > 0
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32")
+    params = [tlt.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 4, 4, 16)]
+    llm.generate(_prompts(4, seed=2), params)
+    st = llm.stats()
+    tail = st["decode_time_upto_bs"]
+    assert 0 < tail["1"] == tail["2"] < tail["4"] == tail["8"] == st["decode_time_s"]
+
+
 def test_kv_budget_admission_never_overflows(tiny_llama_dir):
     llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=16, kv_cache_tokens=100, enforce_eager=True)
     outs = llm.generate(_prompts(6, seed=3), tlt.SamplingParams(temperature=0, max_tokens=30))

@@ -125,7 +125,8 @@ class LLM:
         s = self.engine.stats
         out = {"num_generated_tokens": s.num_generated_tokens, "num_decode_steps": s.num_decode_steps,
                "num_spec_steps": s.num_spec_steps, "decode_time_s": s.decode_time_s, "prefill_time_s": s.prefill_time_s,
-               "hidden_copy_time_s": s.hidden_copy_time_s}
+               "hidden_copy_time_s": s.hidden_copy_time_s,
+               "decode_time_upto_bs": {str(k): v for k, v in s.decode_time_upto_bs.items()}}
         if self.spec is not None:
             out.update(self.spec.stats())
         return out

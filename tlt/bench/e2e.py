@@ -17,6 +17,13 @@ the SD modes use n-gram drafts, and the output says so. The processes take turns
 order rotated every step (A B C, B C A, ...), so drift of a shared machine hits every mode alike; a waiting
 process is blocked on a pipe and uses no CPU. Timing is the trainer's own: timing_s/gen (rollout) and
 timing_s/step without validation (timing_s/testing); checkpoints are saved outside the step's timer.
+step_speedup is the median over steps of off's step time over the mode's; run_speedup the whole run's (off's total
+over the mode's); step1_speedup and later_step_speedup (the median over steps 2..N) apart, because in step 1 the
+process that runs second faults its first update's memory in at ~2.4x the kernel time whatever its mode
+(docs/results/e2e_cpu-zen4_2026-11-25_mode-order.txt), and the rotation puts the first mode listed first.
+sd_step_speedup is the median step ratio with the mode's rollout and drafter round put into off's step in place
+of off's: where same_resp is 1.0 the other phases do the same work in every mode, and their differences (up to
+25% in an update on a 2-core VM, mostly page faults) are the machine's noise, not the mode's.
 
 Learning must not change. Seeded rollouts with drafter-invariant verification sample SD off's very responses, so
 `same_resp` (the fraction of responses equal to off's, token for token) is 1.0 where the forwards round alike,
@@ -40,6 +47,7 @@ import numpy as np
 
 from tlt.bench.common import print_json_line, print_table
 from tlt.device import trim_host_memory
+from tlt.engine.llm_engine import SMALL_BATCHES
 
 MODES = ("off", "always", "adaptive", "adaptive_rej", "frozen", "ngram")  # adaptive_rej: acceptance=rejection
 DEFAULT_MODES = ("off", "always", "adaptive")  # each mode is a whole trainer process: ~5 GB for the default model
@@ -281,6 +289,12 @@ def compare_learning(off: list[dict], other: list[dict]) -> dict:
     return out
 
 
+def _sd_phases(rec: dict) -> float:
+    """Seconds of the phases speculative decoding and the drafter change: the rollout and the drafter round."""
+    m = rec["metrics"]
+    return m["timing_s/gen"] + m.get("timing_s/drafter", 0.0)
+
+
 def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
     off = records.get("off")
     res = {}
@@ -297,17 +311,34 @@ def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
              "accept_len": _median_metric(recs, "rollout/spec_accept_length"),
              "sd_on": _median_metric(recs, "rollout/spec_on_fraction"),
              "drafter_train_s": _median_metric(recs, "drafter/train_time_s"),
-             "per_step": [{"gen_s": g, "step_s": s, "reward": r["metrics"].get("critic/score/mean"),
+             # the tail: decode time while at most k sequences ran (where SD can pay on a CPU, docs/design.md §11)
+             "tail_decode_s": {k: _median_metric(recs, f"rollout/decode_time_upto_bs/{k}") for k in TAIL_BATCHES},
+             "per_step": [{"gen_s": g, "step_s": s, "drafter_s": r["metrics"].get("timing_s/drafter", 0.0),
+                           "reward": r["metrics"].get("critic/score/mean"),
                            "resp_len": r["metrics"].get("response_length/mean")}
                           for g, s, r in zip(gen, step, recs)]}
         if off is not None and mode != "off":
             gen_x = [a["metrics"]["timing_s/gen"] / g for a, g in zip(off, gen)]
             step_x = [step_seconds(a["metrics"]) / s for a, s in zip(off, step)]
             m.update(gen_speedup=statistics.median(gen_x), gen_speedup_spread=spread(gen_x),
-                     step_speedup=statistics.median(step_x), step_speedup_spread=spread(step_x))
+                     step_speedup=statistics.median(step_x), step_speedup_spread=spread(step_x),
+                     # the whole run's time, and the steps after the first: in step 1 the mode that runs second
+                     # faults its first update's memory in at ~2.4x the kernel time (the module doc)
+                     run_speedup=sum(step_seconds(a["metrics"]) for a in off) / sum(step),
+                     step1_speedup=step_x[0],
+                     later_step_speedup=statistics.median(step_x[1:]) if len(step_x) > 1 else None,
+                     # SD's own effect: off's step with this mode's rollout and drafter round in place of off's. The
+                     # other phases (reward, log-probs, update) do the same work in every mode when same_resp is 1.0,
+                     # so their differences are the machine's noise (docs/design.md §11)
+                     sd_step_speedup=statistics.median(
+                         step_seconds(a["metrics"]) / (step_seconds(a["metrics"]) + _sd_phases(r) - _sd_phases(a))
+                         for a, r in zip(off, recs)))
             m.update(compare_learning(off, recs))
         res[mode] = m
     return res
+
+
+TAIL_BATCHES = tuple(map(str, SMALL_BATCHES))  # as llm.stats() names them
 
 
 # what each part of a step costs, per mode (median seconds a step): the trainer's phases, then what speculative
@@ -410,6 +441,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"mode": m, **v} for m, v in res.items()]
     print_table(rows, ["mode", "gen_s", "gen_spread", "gen_tok_s", "step_s", "step_spread", "gen_share", "gen_speedup",
                        "gen_speedup_spread", "step_speedup", "step_speedup_spread", "accept_len", "sd_on"])
+    if any("run_speedup" in v for v in res.values()):
+        print("\nthe whole run (off's total step time / the mode's), step 1, the median over steps 2..N (in step 1 the "
+              "mode that runs second pays more for its first update's page faults), and sd_step: the median step ratio "
+              "with the phases SD does not change (reward, log-probs, update) taken from off, whose differences are "
+              "the machine's noise where same_resp is 1.00:")
+        print_table(rows, ["mode", "run_speedup", "step1_speedup", "later_step_speedup", "sd_step_speedup"])
     costs = cost_table(records)
     print("\nwhere the time goes (median seconds a step; draft includes catchup; spec_net_saved: plain decoding's "
           "time for the SD steps' tokens minus theirs, negative when SD cost time):")
@@ -434,6 +471,12 @@ def main(argv: list[str] | None = None) -> int:
     if "off" in res:  # Amdahl: SD speeds the rollout only, so no SD mode can beat a rollout that takes no time
         print(f"ceiling: with SD off the rollout is {res['off']['gen_share']:.0%} of a step (median), so a rollout "
               f"that took no time would make the step at most {res['off']['free_rollout_bound']:.2f}x faster")
+        tail, gen = res["off"]["tail_decode_s"], res["off"]["gen_s"]
+        if None not in tail.values():
+            print(f"tail: with SD off, decoding with at most {' / '.join(TAIL_BATCHES)} sequences running took "
+                  f"{' / '.join(f'{tail[k]:.2f}' for k in TAIL_BATCHES)} s of the rollout's {gen:.2f} s (median); "
+                  f"were decoding at batch <= 4 free, the rollout would be at most "
+                  f"{gen / max(gen - tail['4'], 1e-9):.2f}x faster")
     print_json_line("e2e", {"config": config_path, "model": cfg.model.path, "steps": steps, "threads": a.threads,
                             "train_batch_size": d.train_batch_size, "n": r.n,
                             "max_response_length": d.max_response_length, "sd_method": method, "drafter": drafter,

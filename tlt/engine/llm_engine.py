@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,9 @@ from tlt.models.decoder import Decoder
 from tlt.models.flex import resolve_backend
 
 
+SMALL_BATCHES = (1, 2, 4, 8)  # EngineStats.decode_time_upto_bs: decode time while at most this many sequences run
+
+
 @dataclass
 class EngineStats:
     num_prefill_steps: int = 0
@@ -37,6 +40,9 @@ class EngineStats:
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
     hidden_copy_time_s: float = 0.0  # host copies of hidden states the requests asked for (drafter data)
+    # per k in SMALL_BATCHES, decode time while at most k sequences ran: the tail, the only part of a rollout that
+    # speculation can speed where a step's cost grows with the tokens it carries (docs/design.md §11)
+    decode_time_upto_bs: dict[int, float] = field(default_factory=lambda: dict.fromkeys(SMALL_BATCHES, 0.0))
 
 
 class LLMEngine:
@@ -202,6 +208,9 @@ class LLMEngine:
             self.stats.num_decode_steps += 1
             dt = time.perf_counter() - t0
             self.stats.decode_time_s += dt
+            for k in SMALL_BATCHES:
+                if len(seqs) <= k:
+                    self.stats.decode_time_upto_bs[k] += dt
             if self.spec is not None:
                 self.spec.record_decode_time(dt)
         self.scheduler.finish(done)
