@@ -273,6 +273,30 @@ def test_a_bucket_where_sd_loses_closes_and_a_new_drafter_reopens_it():
     assert late_sd_open >= 5  # control: exploration and rechecks go on (decayed, never zero)
 
 
+def test_a_new_drafter_reopens_only_the_closed_buckets_where_its_gain_could_pay():
+    """forget(gain=g): a closed bucket whose best drafter arm ran at 0.6x of "off" stays closed for a 10% better
+    drafter (0.66x), keeping its arms' windows; one at 0.95x reopens (1.045x beats off by min_gain 3%). Controls:
+    a gain of 80% reopens the 0.6x bucket, and forget() without a gain reopens every bucket."""
+    chain, ngram = Arm("chain1", "eagle_chain", 1, 1, 1), Arm("ngram2", "ngram", 2, 1, 2)
+
+    def closed_at(speed):
+        bandit = _one_bucket([OFF, ngram, chain], epsilon=0.0, min_samples=2)
+        for arm, tokens in ((OFF, 1.0), (ngram, 0.5), (chain, speed), (ngram, 0.5), (chain, speed)):
+            bandit.update(1, arm, tokens, 1.0)
+        assert bandit.closed_buckets() == ["bs>=1"]
+        return bandit
+
+    slow, near = closed_at(0.6), closed_at(0.95)
+    slow.forget(gain=0.1)
+    near.forget(gain=0.1)
+    assert slow.closed_buckets() == ["bs>=1"] and len(slow.steps[0]["chain1"]) == 2
+    assert near.closed_buckets() == [] and near.capturing(1)
+    for control in (dict(gain=0.8), {}):
+        bandit = closed_at(0.6)
+        bandit.forget(**control)
+        assert bandit.closed_buckets() == [], control
+
+
 def test_a_bucket_where_sd_pays_never_closes_and_charges_can_close_one():
     """A chain at 1.3x stays the choice and its bucket stays open. The same chain at 1.02x (a tie: "off" is kept)
     with SD steps that saved time is not closed while the ledger is positive; charging the capture's seconds to the

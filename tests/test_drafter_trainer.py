@@ -379,6 +379,15 @@ def test_rounds_back_off_while_they_do_not_pay_for_themselves(tiny_llama_dir, tm
     assert judged._before_last is kept and judged._round_gain is None
     judged._finish(21, TrainStats(steps=1), *worse, weights, 0.1, last_gain=0.2)
     assert judged._round_gain == 0.2 and judged._before_last is kept
+    # a publish hands the engine its gain on the held-out slice: closed buckets reopen only where it could pay
+    gains, load = [], llm.spec.load_drafter_state
+    llm.spec.load_drafter_state = lambda state, gain=None: (gains.append(gain), load(state, gain=gain))
+    try:
+        better = ({"acc": 0.5, "accept_proxy": 2.0}, {"acc": 0.6, "accept_proxy": 2.2})
+        assert judged._finish(22, TrainStats(steps=1), *better, weights, 0.1)["drafter/published"] == 1
+    finally:
+        llm.spec.load_drafter_state = load
+    assert gains == [pytest.approx(0.1)]
     # the drafter comparison skips with the rounds (control: every step without the back-off)
     compared = [run(make(m, gains=False, compare=True), 0.0, range(1, 15))[2] for m in (8, 0)]
     assert 0 < compared[0] < compared[1], compared

@@ -313,8 +313,9 @@ class OnlineDrafterHook(DrafterHook):
                 last_gain: float | None = None) -> dict[str, float]:
         """Publish into the engine or roll back (main thread) during RL step `step`. Returns drafter/* metrics."""
         publish = stats.steps > 0 and (new is None or should_publish(new, old))
-        if publish:
-            self.spec.load_drafter_state(self.drafter.trainable_state_dict())
+        if publish:  # with the gain on the held-out slice: closed buckets reopen only where it could pay
+            gain = None if old is None or new is None else new["accept_proxy"] / old["accept_proxy"] - 1
+            self.spec.load_drafter_state(self.drafter.trainable_state_dict(), gain=gain)
             fault_point("publish", step)
             self.version += 1
         else:

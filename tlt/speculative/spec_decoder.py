@@ -192,11 +192,13 @@ class SpecDecoder:
             self.st["plain_steps"] += 1
         return self._gate_on
 
-    def load_drafter_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Publish new drafter weights into this engine, also mid-rollout (exactness never depends on them)."""
+    def load_drafter_state(self, state: dict[str, torch.Tensor], gain: float | None = None) -> None:
+        """Publish new drafter weights into this engine, also mid-rollout (exactness never depends on them). gain:
+        their accept length over the old weights', less 1, where measured: the bandit reopens only the closed
+        buckets where that could pay (StrategyBandit.forget)."""
         self.drafter.load_state_dict(state, strict=False)
         self.drafter_version += 1
-        self.bandit.forget()  # the learned-drafter arms' rewards describe the old weights: a short prior now
+        self.bandit.forget(gain=gain)  # the learned-drafter arms' rewards describe the old weights: a short prior now
         for k in self.dcached:  # the drafter cache was computed by the old weights: rebuild it on next use
             self.dcached[k] = 0
 
