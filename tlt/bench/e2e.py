@@ -23,7 +23,7 @@ process that runs second faults its first update's memory in at ~2.4x the kernel
 (docs/results/e2e_cpu-zen4_2026-11-25_mode-order.txt), and the rotation puts the first mode listed first.
 sd_step_speedup is the median step ratio with the mode's rollout and drafter round put into off's step in place
 of off's: where same_resp is 1.0 the other phases do the same work in every mode, and their differences (up to
-25% in an update on a 2-core VM, mostly page faults) are the machine's noise, not the mode's.
+1.5x in an update on a 2-core VM, mostly page faults) are the machine's noise, not the mode's.
 
 Learning must not change. Seeded rollouts with drafter-invariant verification sample SD off's very responses, so
 `same_resp` (the fraction of responses equal to off's, token for token) is 1.0 where the forwards round alike,

@@ -39,8 +39,9 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   decodes plainly without exploring, and its steps keep no hidden states (`capturing`). A new drafter (`forget`)
   reopens every bucket, or, given its gain in accept length over the old one, only the closed buckets where a
   drafter arm that much faster would beat "off": on a 2-core CPU a depth-1 chain step costs 1.5-1.7x a plain one
-  at bs 2-20, so a 10% better drafter cannot pay there, and reopening cost the next rollout its exploration again. Without closing, exploration and the rechecks of dominated arms cost a steady share of SD
-  steps that lose, and the capture costs every step, in buckets where SD never pays.
+  at bs 2-16, so a 10% better drafter cannot pay there, and reopening cost the next rollout its exploration
+  again. Without closing, exploration and the rechecks of dominated arms cost a steady share of SD steps that
+  lose, and the capture costs every step, in buckets where SD never pays.
 """
 from __future__ import annotations
 
