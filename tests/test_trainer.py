@@ -174,6 +174,9 @@ def test_metrics_have_verl_names(tmp_path, tiny_dir):
         p50 = max(m["response_length/p50"], 1.0)
         assert m["response_length/max_over_p50"] == pytest.approx(m["response_length/max"] / p50)
         assert m["response_length/p90_over_p50"] == pytest.approx(m["response_length/p90"] / p50)
+        # the step's own decode time at a running batch <= k (8 sequences: all of it at <= 8), not a running sum
+        tail = [m[f"rollout/decode_time_upto_bs/{k}"] for k in (1, 2, 4, 8)]
+        assert tail == sorted(tail) and tail[-1] == pytest.approx(m["rollout/decode_time_s"])
     # fp32 engine and fp32 trainer forward on the same weights: the engine's log-probs are the old policy's
     assert lines[1]["rollout/logprob_max_diff"] < 1e-4
     assert any(p.name.startswith("events") for p in (trainer.run_dir / "tensorboard").iterdir())

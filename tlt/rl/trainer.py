@@ -246,6 +246,7 @@ class GRPOTrainer:
         reward_totals = {"reward/total_errors": reward_metrics[-1]["reward/total_errors"]}  # a running count
         sampling = {"data/num_gen_batches": float(attempt), "data/num_dropped_groups": float(num_dropped)}
         metrics = reduce_metrics(reward_metrics) | reward_totals | sampling
+        engine_before = flat_numbers("", engine_before)  # nested counters (decode_time_upto_bs/k) too
         for k, v in flat_numbers("", engine_after).items():
             before = engine_before.get(k)
             delta = isinstance(before, (int, float)) and not k.startswith("spec_")
