@@ -275,13 +275,15 @@ def test_a_bucket_where_sd_loses_closes_and_a_new_drafter_reopens_it():
 
 def test_a_new_drafter_reopens_only_the_closed_buckets_where_its_gain_could_pay():
     """forget(gain=g): a closed bucket whose best drafter arm ran at 0.6x of "off" stays closed for a 10% better
-    drafter (0.66x), keeping its arms' windows; one at 0.95x reopens (1.045x beats off by min_gain 3%). Controls:
-    a gain of 80% reopens the 0.6x bucket, and forget() without a gain reopens every bucket."""
+    drafter (0.66x), its arms' windows untouched; one at 0.95x reopens (1.045x beats off by min_gain 3%). Gains
+    published while a bucket stays closed add up: at 0.98x, +3% alone stays closed (1.009x), a second +3% reopens
+    (1.040x), and a drafter 10% worse in between undoes it (0.936x). Controls: a gain of 80% reopens the 0.6x bucket, and
+    forget() without a gain reopens every bucket."""
     chain, ngram = Arm("chain1", "eagle_chain", 1, 1, 1), Arm("ngram2", "ngram", 2, 1, 2)
 
     def closed_at(speed):
         bandit = _one_bucket([OFF, ngram, chain], epsilon=0.0, min_samples=2)
-        for arm, tokens in ((OFF, 1.0), (ngram, 0.5), (chain, speed), (ngram, 0.5), (chain, speed)):
+        for arm, tokens in ((OFF, 1.0), (ngram, 0.5), (chain, speed), (ngram, 0.5), (chain, speed), (chain, speed)):
             bandit.update(1, arm, tokens, 1.0)
         assert bandit.closed_buckets() == ["bs>=1"]
         return bandit
@@ -289,8 +291,13 @@ def test_a_new_drafter_reopens_only_the_closed_buckets_where_its_gain_could_pay(
     slow, near = closed_at(0.6), closed_at(0.95)
     slow.forget(gain=0.1)
     near.forget(gain=0.1)
-    assert slow.closed_buckets() == ["bs>=1"] and len(slow.steps[0]["chain1"]) == 2
+    assert slow.closed_buckets() == ["bs>=1"] and len(slow.steps[0]["chain1"]) == 3  # forget() would keep 2
     assert near.closed_buckets() == [] and near.capturing(1)
+    for gains, closed in (([0.03], True), ([0.03, 0.03], False), ([0.03, -0.1, 0.03], True)):
+        bandit = closed_at(0.98)
+        for g in gains:
+            bandit.forget(gain=g)
+        assert bool(bandit.closed_buckets()) is closed, gains
     for control in (dict(gain=0.8), {}):
         bandit = closed_at(0.6)
         bandit.forget(**control)

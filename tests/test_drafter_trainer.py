@@ -340,6 +340,7 @@ def test_rounds_back_off_while_they_do_not_pay_for_themselves(tiny_llama_dir, tm
     resumed = make(8, gains=False)
     resumed.load_state_dict(hook.state_dict())
     assert (resumed.backoff_gap, resumed.skip_left) == (hook.backoff_gap, hook.skip_left)
+    assert resumed.round_cost == hook.round_cost > 0  # what a round costs survives the checkpoint (control below)
     # the uninterrupted hook and the resumed one go on alike; resumed with the back-off off, it trains at once
     assert run(resumed, 0.0, range(15, 25))[0] == run(hook, 0.0, range(15, 25))[0]
     off = make(0, gains=False)

@@ -163,13 +163,13 @@ class DrafterTrainConfig:
     warmup_temperatures: list[float] | None = _f(None, "warm-up drafter: sampling temperatures; null = the run's "
                                                        "rollout.temperature, the law its drafts must hold")
     backoff_max_steps: int = _f(
-        8, "in-process runs: while what the drafter is worth a rollout (SD's net saving there, plus the last round's "
-           "held-out accept-length gain times plain decoding's time for the SD steps' tokens) is below what a round "
-           "added to its step, skip the next 1, 2, 4, ... rounds' turns after each judged round (at most this many "
-           "in a row; a skipped turn drops its training, its data stays in the buffer): a round shares the rollout's "
-           "machine or lengthens the step, and reopens the bandit's closed buckets. 0 = a round every "
-           "every_k_steps; inert without held-out data (holdout_fraction=0). Whether a round runs then depends on "
-           "measured times (docs/design.md §5)", ge=0)
+        8, "in-process runs: while what the drafter is worth a rollout (SD's net saving there, plus what the last "
+           "round's held-out accept-length gain g would save: the SD steps' time times g / (1 + g)) is below what a "
+           "round added to its step, skip the next 1, 2, 4, ... rounds' turns after each judged round (at most this "
+           "many in a row; a skipped turn drops its training, its data stays in the buffer): a round shares the "
+           "rollout's machine or lengthens the step, and reopens the bandit's closed buckets where it could pay. "
+           "0 = a round every every_k_steps; inert without held-out data (holdout_fraction=0). Whether a round runs "
+           "then depends on measured times (docs/design.md §5)", ge=0)
     spot: bool | None = _f(
         None, "in-process runs: true = train the drafter on the steps so far in a thread alongside the next rollout, "
                 "on compute the rollout leaves idle (TLT's spot training; published after that rollout, so drafts "

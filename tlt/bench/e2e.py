@@ -290,9 +290,10 @@ def compare_learning(off: list[dict], other: list[dict]) -> dict:
 
 
 def _sd_phases(rec: dict) -> float:
-    """Seconds of the phases speculative decoding and the drafter change: the rollout and the drafter round."""
+    """Seconds of the phases speculative decoding and the drafter change: the rollout, the drafter round, and the
+    wait for a spot round's step in flight when the rollout ends (outside the phase timers)."""
     m = rec["metrics"]
-    return m["timing_s/gen"] + m.get("timing_s/drafter", 0.0)
+    return m["timing_s/gen"] + m.get("timing_s/drafter", 0.0) + m.get("drafter/spot_yield_s", 0.0)
 
 
 def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
@@ -324,7 +325,7 @@ def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
                      step_speedup=statistics.median(step_x), step_speedup_spread=spread(step_x),
                      # the whole run's time, and the steps after the first: in step 1 the mode that runs second
                      # faults its first update's memory in at ~2.4x the kernel time (the module doc)
-                     run_speedup=sum(step_seconds(a["metrics"]) for a in off) / sum(step),
+                     run_speedup=sum(step_seconds(a["metrics"]) for a, _ in zip(off, step)) / sum(step),
                      step1_speedup=step_x[0],
                      later_step_speedup=statistics.median(step_x[1:]) if len(step_x) > 1 else None,
                      # SD's own effect: off's step with this mode's rollout and drafter round in place of off's. The

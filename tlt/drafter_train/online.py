@@ -26,13 +26,13 @@ step whose rollout it ran alongside (drafter/compare/rl_step names the responses
 
 Back-off (drafter_train.backoff_max_steps): a round is not free here. It shares the rollout's machine (a thread on
 the "idle" core slowed a 2-core CPU's rollout by 5-15%: docs/results/spot_contention_cpu-zen4_2026-11-26.txt), or
-runs on top of the step, and each publish reopens the bandit's closed buckets, whose exploration and capture then
-cost the next rollout again. So the rounds must pay for themselves: a round's cost is what it added to its step
-(its training and the comparison, or with spot what the step waited for it), and what the drafter is worth a
-rollout is SD's net saving there (spec_net_saved_s) plus what the last round's gain would add to it (the gain in
-held-out accept length times plain decoding's time for the SD steps' tokens: an SD step that accepts a fraction g
-more saves g of that time more). While that falls short of the round's cost, each round that gets a verdict
-skips the next 1, then 2, 4, ... turns (at most backoff_max_steps in a row); a rollout where it does not ends the
+runs on top of the step, and a publish reopens the bandit's closed buckets where its gain could pay, whose
+exploration and capture then cost the next rollout again. So the rounds must pay for themselves: a round's cost is
+what it added to its step (its training and the comparison beside it, or with spot what the step waited for it),
+and what the drafter is worth a rollout is SD's net saving there (spec_net_saved_s) plus what the last round's
+gain g in held-out accept length would add to it (the SD steps, accepting 1 + g times as many tokens, would take
+1 / (1 + g) of their time). While the worth falls short of the cost, each round that gets a verdict skips the
+next 1, then 2, 4, ... turns (at most backoff_max_steps in a row); a rollout where it does not ends the
 back-off from the next turn. A round's gain is measured where it will be used: on the next step's held-out
 responses (prompts no drafter trained on), the published drafter against the weights before that round, at the
 start of the next round. Held-out responses of the round's own step share their prompts with its training data,
@@ -41,7 +41,9 @@ Before any round has published, the round's own held-out slice gives the gain; w
 published round by (holdout_fraction=0; a spot run's first round after a resume, whose previous step's responses
 are not checkpointed) there is no verdict and the back-off stays as it is. A skipped turn drops its training: the
 next round trains one pass over what arrived after it, and the skipped steps' data stays in the buffer, where later
-rounds sample it (docs/design.md §5).
+rounds sample it (docs/design.md §5). With spot the cost leaves out what the round's thread took from the rollout it
+ran beside (5-15% on a 2-core CPU), so spot rounds back off only where the drafter is worth nothing. The gain a
+publish hands the bandit is the round's own slice's, which errs toward reopening.
 
 The hook's checkpoint state is the published drafter weights, the optimiser, the sampling generator, the
 counters and the buffer (its hidden states too: a resumed run must train on what the uninterrupted one would, to
@@ -176,7 +178,7 @@ class OnlineDrafterHook(DrafterHook):
             metrics.update(self.compare_drafters())
         if not self.spot and self._due(step):
             metrics.update(self.train_session(step))
-            # the comparison is a diagnostic that runs only with the rounds: part of what they cost
+            # with the comparison that ran beside it this step (a diagnostic the rounds bring)
             self.round_cost = metrics["drafter/train_time_s"] + metrics.get("drafter/compare/time_s", 0.0)
         self._fresh = None  # the fresh batch's target side is large: not held through the update
         metrics |= self._back_off()
@@ -248,9 +250,10 @@ class OnlineDrafterHook(DrafterHook):
         if not self.cfg.backoff_max_steps:
             return {}
         st = self.spec.stats()
-        saved = st["spec_net_saved_s"]
-        plain_equiv = saved + st["spec_step_time_s"]  # plain decoding's time for the SD steps' tokens
-        worth = saved + max(self._round_gain or 0.0, 0.0) * plain_equiv  # a rollout's worth of the drafter
+        gain = max(self._round_gain or 0.0, 0.0)
+        # a rollout's worth of the drafter: SD's net saving, plus what the gain saves on the SD steps' tokens
+        # (accepting (1 + gain) times as many a step, they take spec_step_time_s / (1 + gain))
+        worth = st["spec_net_saved_s"] + st["spec_step_time_s"] * gain / (1 + gain)
         if worth * self.cfg.every_k_steps > self.round_cost:  # SD pays for the rounds (one a turn): every turn
             self.backoff_gap = self.skip_left = 0
         elif self._round_gain is not None:  # a round got its verdict this step and does not pay for itself
@@ -350,7 +353,7 @@ class OnlineDrafterHook(DrafterHook):
         return {"drafter": published, "optimizer": self.trainer.opt.state_dict(), "version": self.version,
                 "drafter_steps": self.trainer.total_steps, "generator": self.trainer.generator.get_state(),
                 "last_train": dict(self.last_train), "new_tokens": self.new_tokens, "last_step": self.last_step,
-                "backoff": [self.backoff_gap, self.skip_left, self.round_cost],
+                "backoff": [self.backoff_gap, self.skip_left], "round_cost": self.round_cost,
                 "before_last": None if self._before_last is None else {k: v.detach().to("cpu", copy=True) for k, v
                                                                        in self._before_last.items()},
                 "buffer": self.buffer.state_dict() if self.save_buffer else None,
@@ -377,9 +380,8 @@ class OnlineDrafterHook(DrafterHook):
         self.new_tokens, self.last_step = int(state.get("new_tokens", 0)), int(state.get("last_step", 0))
         # a run resumed with a lower backoff_max_steps (0: off) does not wait out the checkpoint's longer skip
         cap = self.cfg.backoff_max_steps
-        gap, skip, *cost = state.get("backoff", [0, 0])
-        self.backoff_gap, self.skip_left = min(int(gap), cap), min(int(skip), cap)
-        self.round_cost = float(cost[0]) if cost else 0.0
+        self.backoff_gap, self.skip_left = (min(int(v), cap) for v in state.get("backoff", [0, 0]))
+        self.round_cost = float(state.get("round_cost", 0.0))
         before = state.get("before_last")
         self._before_last = None if before is None else {k: v.to(self.drafter.fc.weight.device) for k, v in
                                                          before.items()}

@@ -136,6 +136,7 @@ class StrategyBandit:
         self.ledger = [deque(maxlen=window) for _ in self.arms]
         self.ledger_sum = [0.0 for _ in self.arms]
         self.closed = [False for _ in self.arms]
+        self.closed_gain = [1.0 for _ in self.arms]  # per closed bucket: accept-length growth since it closed
         self.sd_since_open = [0 for _ in self.arms]    # SD steps recorded per bucket since it (re)opened
 
     def bucket(self, batch_size: int) -> int:
@@ -219,6 +220,7 @@ class StrategyBandit:
         self.closed[b] = all(len(self.steps[b][a.name]) >= self.min_samples
                              or (self.steps[b][a.name] and self.estimate(b, a.name) < self.far * off)
                              for a in self.arms[b] if a.method != "off")
+        self.closed_gain[b] = 1.0
 
     def capturing(self, batch_size: int) -> bool:
         """Whether steps at this batch size should keep hidden states for the drafter (no: its bucket is closed)."""
@@ -238,11 +240,15 @@ class StrategyBandit:
         """The drafter of these methods' arms changed: keep only their last `keep` steps (default `min_samples`;
         0 wipes them, and they are tried again first), and restart the exploration decay. gain: the new drafter's
         accept length over the old one's, less 1, where known; a closed bucket then reopens only if one of these
-        arms, that much faster, could beat "off" there (`could_pay`); None reopens every bucket."""
+        arms, as much faster as the drafters published since it closed made them together, could beat "off" there
+        (`could_pay`); None reopens every bucket."""
         keep = self.min_samples if keep is None else keep
         for b, bucket in enumerate(self.arms):
-            if self.closed[b] and gain is not None and not self.could_pay(b, methods, gain):
-                continue  # stays closed: plain decoding, no capture, its arms' windows as they were
+            if self.closed[b] and gain is not None:
+                grown = self.closed_gain[b] * max(1 + gain, 0.0)
+                if not self.could_pay(b, methods, grown - 1):
+                    self.closed_gain[b] = grown  # stays closed: plain decoding, no capture, windows as they were
+                    continue
             self.since_forget[b] = 0
             self.closed[b] = False  # the new drafter gets its chance; the ledger restarts
             self.sd_since_open[b] = 0
@@ -265,7 +271,7 @@ class StrategyBandit:
         if off is None or not self.steps[b][off.name] or any(not self.steps[b][a.name] for a in arms):
             return True
         best = max((self.estimate(b, a.name) for a in arms), default=-math.inf)
-        return best * (1 + max(gain, 0.0)) >= (1 + self.min_gain) * self.estimate(b, off.name)
+        return best * max(1 + gain, 0.0) >= (1 + self.min_gain) * self.estimate(b, off.name)
 
     def plain_seconds(self, batch_size: int, tokens: float) -> float | None:
         """What plain decoding would take for `tokens` at `batch_size` (tokens / bs * t_off(bs)), from the "off"
