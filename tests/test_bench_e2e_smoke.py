@@ -42,6 +42,22 @@ def test_e2e_quick_on_smoke_config(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "e2e_curves.png").is_file()
 
 
+def test_e2e_off_control_is_a_second_sd_off_process(tmp_path, capsys, monkeypatch):
+    """--modes off,off_control: two SD-off trainers, the control compared with off like any mode (the machine's
+    noise), sampling off's very responses; its config differs from off's only in the run's name."""
+    from tlt.config import load_config
+    cfg = load_config(None, [])
+    off, control = (e2e.mode_config(cfg, m, "eagle", None, tmp_path) for m in ("off", "off_control"))
+    assert not control.speculative.enabled and control.trainer.experiment_name == "off_control"
+    control.trainer.experiment_name = "off"
+    assert control == off
+    monkeypatch.chdir(REPO)
+    assert e2e.main(["configs/smoke.yaml", "--quick", "--modes", "off,off_control", "--out", str(tmp_path)]) == 0
+    result = last_json(capsys)
+    assert result["modes"]["off_control"]["same_responses"] == 1.0 and "step_speedup" in result["modes"]["off_control"]
+    assert result["costs"]["off_control"]["verify"] is None  # no SD step ran
+
+
 def test_rollout_quick_all_modes(tmp_path, capsys):
     from tlt.models import load_model
     from tlt.rl.tiny_model import tiny_random_model_path
