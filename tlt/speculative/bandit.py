@@ -136,7 +136,7 @@ class StrategyBandit:
         self.ledger = [deque(maxlen=window) for _ in self.arms]
         self.ledger_sum = [0.0 for _ in self.arms]
         self.closed = [False for _ in self.arms]
-        self.closed_gain = [1.0 for _ in self.arms]  # per closed bucket: accept-length growth since it closed
+        self.closed_gain = [1.0 for _ in self.arms]  # per bucket: accept-length growth published since it opened
         self.sd_since_open = [0 for _ in self.arms]    # SD steps recorded per bucket since it (re)opened
 
     def bucket(self, batch_size: int) -> int:
@@ -220,7 +220,6 @@ class StrategyBandit:
         self.closed[b] = all(len(self.steps[b][a.name]) >= self.min_samples
                              or (self.steps[b][a.name] and self.estimate(b, a.name) < self.far * off)
                              for a in self.arms[b] if a.method != "off")
-        self.closed_gain[b] = 1.0
 
     def capturing(self, batch_size: int) -> bool:
         """Whether steps at this batch size should keep hidden states for the drafter (no: its bucket is closed)."""
@@ -250,7 +249,7 @@ class StrategyBandit:
                     self.closed_gain[b] = grown  # stays closed: plain decoding, no capture, windows as they were
                     continue
             self.since_forget[b] = 0
-            self.closed[b] = False  # the new drafter gets its chance; the ledger restarts
+            self.closed[b], self.closed_gain[b] = False, 1.0  # the new drafter gets its chance; the ledger restarts
             self.sd_since_open[b] = 0
             self.ledger[b].clear()
             self.ledger_sum[b] = 0.0
