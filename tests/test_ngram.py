@@ -18,6 +18,27 @@ def test_own_context_match_and_incremental_update():
     assert d.propose("a") == []
 
 
+def test_index_is_built_only_for_proposals_and_matches_eager_indexing():
+    import random
+    rng = random.Random(0)
+    d = NgramDrafter(max_n=4, min_n=2, num_draft_tokens=3)
+    d.register("a", 0, "p", [rng.randrange(6) for _ in range(30)])
+    d.register("b", 0, "p", [rng.randrange(6) for _ in range(30)])
+    for _ in range(50):
+        d.update("a", [rng.randrange(6)])
+        d.update("b", [rng.randrange(6)])
+    assert d.seqs["a"].index == {} and d.seqs["b"].index == {}  # decoding without n-gram drafts indexes nothing
+
+    def eager(toks):  # every n-gram ending before position e -> the latest such e
+        return {tuple(toks[e - n:e]): e for e in range(1, len(toks)) for n in range(2, min(4, e) + 1)}
+    for step in range(40):
+        d.propose("a")  # indexes a's own tokens and its sibling b's, as far as each has grown
+        assert d.seqs["a"].index == eager(d.seqs["a"].tokens)
+        assert d.seqs["b"].index == eager(d.seqs["b"].tokens)
+        d.update("a", [rng.randrange(6)] * (step % 3))
+        d.update("b", [rng.randrange(6)])
+
+
 def test_longest_n_wins_over_recency():
     d = NgramDrafter(max_n=3, min_n=1, num_draft_tokens=1)
     d.register("a", 0, "p", [5, 1, 2, 8, 0, 2, 6, 1, 2])

@@ -7,8 +7,10 @@ to min_n; the longest match wins), searched in three pools, in this order:
   3. earlier responses to the same prompt (previous epochs), a history keyed by `prompt_key`.
 Drafts are deterministic (no q), so they are verified with `verify_deterministic` and cost nothing to make.
 
-Cost: each sequence keeps a dict n-gram -> latest position whose token followed it. `update` indexes only the new
-positions (max_n - min_n + 1 dict writes per token); `propose` does one dict lookup per (n, pool member).
+Cost: each sequence keeps a dict n-gram -> latest position whose token followed it, built lazily: `update` only
+appends, and a proposal first indexes the positions its pool members added since their last one (max_n - min_n + 1
+dict writes per token), then does one dict lookup per (n, pool member). A sequence no n-gram draft is asked for
+costs an append per token (the adaptive policy seldom picks n-gram arms in many buckets).
 Memory: finished responses are kept as compact token arrays (at most max_history per prompt, max_history_prompts
 prompts, least recently used dropped); their index is rebuilt once when a new group for that prompt starts.
 """
@@ -26,6 +28,7 @@ class _Seq:
     group_id: Hashable
     prompt_key: Hashable
     index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> position of its continuation
+    indexed: int = 1                                    # positions e < indexed have their n-grams in `index`
     done: bool = False
 
 
@@ -46,21 +49,15 @@ class NgramDrafter:
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} is already registered")
         seq = _Seq(list(token_ids), group_id, prompt_key)
-        self._index(seq, 1)
         self.seqs[seq_id] = seq
         if group_id not in self.groups:  # first member: index the prompt's earlier responses once for the group
             self.groups[group_id] = []
             past = [_Seq(list(toks), None, prompt_key) for toks in self.history.get(prompt_key, ())]
-            for h in past:
-                self._index(h, 1)
             self.group_history[group_id] = past[::-1]  # newest first
         self.groups[group_id].append(seq_id)
 
     def update(self, seq_id: Hashable, new_tokens: list[int]) -> None:
-        seq = self._get(seq_id)
-        start = len(seq.tokens)
-        seq.tokens.extend(new_tokens)
-        self._index(seq, max(start, 1))
+        self._get(seq_id).tokens.extend(new_tokens)
 
     def finish(self, seq_id: Hashable) -> None:
         """Move a finished sequence to the prompt's history; siblings still see it until the group ends."""
@@ -89,22 +86,25 @@ class NgramDrafter:
             raise KeyError(f"sequence {seq_id!r} is not running: register() it first (finished ones are history)")
         return self.seqs[seq_id]
 
-    def _index(self, seq: _Seq, start: int) -> None:
-        """Index every n-gram that ends right before a position e >= start (so each has a continuation)."""
+    def _indexed(self, seq: _Seq) -> dict[tuple[int, ...], int]:
+        """seq's index, brought up to date: every n-gram that ends right before a position e (so each has a
+        continuation), the latest e for each; positions are indexed in order, once."""
         toks, index = seq.tokens, seq.index
-        for e in range(start, len(toks)):
+        for e in range(seq.indexed, len(toks)):
             for n in range(self.min_n, min(self.max_n, e) + 1):
                 index[tuple(toks[e - n:e])] = e
+        seq.indexed = max(seq.indexed, len(toks))
+        return index
 
     # ---- proposals ----
     def _pools(self, seq: _Seq, seq_id: Hashable):
         """(tokens, index) of each pool member in priority order: own, siblings, history (newest first)."""
-        yield seq.tokens, seq.index
+        yield seq.tokens, self._indexed(seq)
         for m in self.groups[seq.group_id]:
             if m != seq_id:
-                yield self.seqs[m].tokens, self.seqs[m].index
+                yield self.seqs[m].tokens, self._indexed(self.seqs[m])
         for h in self.group_history[seq.group_id]:
-            yield h.tokens, h.index
+            yield h.tokens, self._indexed(h)
 
     def _matches(self, seq_id: Hashable, k: int):
         """Continuations (up to k tokens) at the longest n with any match, in pool priority order."""
