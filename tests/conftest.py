@@ -8,6 +8,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# torch's default CPU allocator throughout (a trainer process asks for huge pages: tlt.device), so that the tests
+# that run a trainer in this process leave no setting behind for the processes later tests start
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "0")
 
 # Tests run tiny models, which gain nothing from intra-op threads; on a shared 2-core machine OpenMP threads
 # contending with other processes slow small ops down by 10-100x. One thread keeps the suite fast and steady.

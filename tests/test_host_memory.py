@@ -42,6 +42,52 @@ def test_freed_memory_is_reused_without_page_faults():
     assert _reallocation_faults("retain") < PAGES // 10
 
 
+# a fresh process allocates a 64 MiB tensor, writes every page and prints the page faults that took
+HUGE_PROBE = """
+import resource, sys
+from tlt.device import huge_pages_for_host_tensors
+if sys.argv[1] == "huge":
+    assert huge_pages_for_host_tensors()
+import torch
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+x = torch.ones(16 * 2**20)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _thp_mode() -> str:
+    try:
+        return open("/sys/kernel/mm/transparent_hugepage/enabled").read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise", reason="needs the kernel's THP in madvise mode (the control needs it "
+                                                     "off by default)")
+def test_huge_pages_for_host_tensors_fault_2mib_at_a_time():
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    def faults(mode):
+        out = subprocess.run([sys.executable, "-c", HUGE_PROBE, mode], capture_output=True, text=True, timeout=120,
+                             env={**env, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.split()[-1])
+    assert faults("plain") > PAGES // 2  # control: 4 KiB pages, one fault each
+    assert faults("huge") < PAGES // 10
+
+
+def test_huge_pages_keep_the_users_setting_and_need_the_kernels(tmp_path, monkeypatch):
+    from tlt.device import huge_pages_for_host_tensors
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    assert not huge_pages_for_host_tensors(str(setting)) and "THP_MEM_ALLOC_ENABLE" not in os.environ
+    assert not huge_pages_for_host_tensors(str(tmp_path / "missing"))
+    setting.write_text("always [madvise] never\n")
+    assert huge_pages_for_host_tensors(str(setting)) and os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")  # the user's choice stands
+    assert not huge_pages_for_host_tensors(str(setting)) and os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
+
+
 def test_retained_by_default_on_cpu_only():
     assert retains_freed_memory(None, torch.device("cpu"))
     assert not retains_freed_memory(None, torch.device("cuda"))

@@ -211,7 +211,8 @@ class TrainerConfig:
     rollout_gpus: int | None = _f(None, "placement=disaggregated: GPUs for rollout replicas; null = half", ge=1)
     retain_freed_memory: bool | None = _f(
         None, "keep host memory the policy update frees in the trainer process for reuse (glibc: large blocks from "
-              "the heap, never trimmed) instead of page-faulting GBs back from the OS every micro-batch; resident "
+              "the heap, never trimmed) instead of page-faulting GBs back from the OS every micro-batch, and back "
+              "tensors of 2 MiB or more with transparent huge pages (THP_MEM_ALLOC_ENABLE, unless set); resident "
               "memory stays near the largest peak so far, plus fragmentation; null = true when the policy is on CPU "
               "(docs/design.md §10)")
 

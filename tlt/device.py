@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import platform
 
 import torch
@@ -62,6 +63,25 @@ def retain_freed_host_memory() -> bool:
     mallopt = _glibc("mallopt")
     m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
     return mallopt is not None and bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, -1))
+
+
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def huge_pages_for_host_tensors(setting_file: str = THP_SETTING) -> bool:
+    """Ask PyTorch's CPU allocator to back each tensor of 2 MiB or more with transparent huge pages
+    (THP_MEM_ALLOC_ENABLE: it aligns the block and madvises it). One fault then maps 2 MiB instead of 4 KiB, and
+    the GEMMs miss the TLB less. PyTorch reads the variable once, at the process's first tensor allocation, so a
+    process calls this before it allocates any (docs/design.md §10). A value the user set is kept. Returns whether
+    huge pages apply: the variable is on and the kernel's THP mode is "always" or "madvise"."""
+    try:
+        with open(setting_file) as f:
+            mode = f.read()
+    except OSError:
+        return False
+    if "[always]" not in mode and "[madvise]" not in mode:
+        return False
+    return os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1") == "1"
 
 
 def trim_host_memory() -> None:

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from tlt.config import Config, ConfigError, format_config, load_config
-from tlt.device import DTYPES, retain_freed_host_memory
+from tlt.device import DTYPES, huge_pages_for_host_tensors, retain_freed_host_memory
 from tlt.drafter_train.hook import DrafterHook
 from tlt.engine.outputs import RequestOutput
 from tlt.faults import fault_point
@@ -467,14 +467,16 @@ def retains_freed_memory(setting: bool | None, device: torch.device) -> bool:
 
 def retain_freed_memory_for(cfg: Config) -> None:
     """Apply trainer.retain_freed_memory to this process: a trainer process's setting, called by the processes that
-    run a trainer (`run_rank`, `tlt bench e2e`'s workers), not by GRPOTrainer, which may live in a caller's process.
-    Says so when it applies; warns when asked for and unavailable (not glibc)."""
+    run a trainer (`run_rank`, `tlt bench e2e`'s workers) before they allocate any tensor, not by GRPOTrainer, which
+    may live in a caller's process. Freed blocks stay for reuse, and tensors of 2 MiB or more get transparent huge
+    pages where the kernel offers them. Says so when it applies; warns when asked for and unavailable (not glibc)."""
     setting = cfg.trainer.retain_freed_memory
     if not retains_freed_memory(setting, config_device(cfg)):
         return
+    huge = huge_pages_for_host_tensors()
     if retain_freed_host_memory():
-        print("tlt: the policy update's freed host memory stays in this process for reuse "
-              "(trainer.retain_freed_memory)", flush=True)
+        print("tlt: the policy update's freed host memory stays in this process for reuse"
+              + (", in transparent huge pages" if huge else "") + " (trainer.retain_freed_memory)", flush=True)
     elif setting:
         print("tlt: trainer.retain_freed_memory=true has no effect here: it needs glibc's malloc", file=sys.stderr,
               flush=True)
