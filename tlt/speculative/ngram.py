@@ -12,7 +12,8 @@ appends, and a proposal first indexes the positions its pool members added since
 dict writes per token), then does one dict lookup per (n, pool member). A sequence no n-gram draft is asked for
 costs an append per token (the adaptive policy seldom picks n-gram arms in many buckets).
 Memory: finished responses are kept as compact token arrays (at most max_history per prompt, max_history_prompts
-prompts, least recently used dropped); their index is rebuilt once when a new group for that prompt starts.
+prompts, least recently used dropped); a new group for that prompt indexes them again, once, when its proposals
+first read them.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ class NgramDrafter:
             raise ValueError(f"sequence {seq_id!r} is already registered")
         seq = _Seq(list(token_ids), group_id, prompt_key)
         self.seqs[seq_id] = seq
-        if group_id not in self.groups:  # first member: index the prompt's earlier responses once for the group
+        if group_id not in self.groups:  # first member: the prompt's earlier responses, indexed once for the group
             self.groups[group_id] = []
             past = [_Seq(list(toks), None, prompt_key) for toks in self.history.get(prompt_key, ())]
             self.group_history[group_id] = past[::-1]  # newest first
