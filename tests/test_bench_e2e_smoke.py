@@ -92,6 +92,13 @@ def test_e2e_modes_differ_only_in_the_speculative_section():
     assert rej == ada
 
 
+def test_median_metric_skips_steps_without_the_metric():
+    recs = [{"metrics": {"rollout/spec_accept_length": x}} for x in (1.9, float("nan"), None, 1.5, 2.1)]
+    recs.append({"metrics": {}})
+    assert e2e._median_metric(recs, "rollout/spec_accept_length") == 1.9  # NaN: a step where SD never ran
+    assert e2e._median_metric(recs[1:3], "rollout/spec_accept_length") is None
+
+
 def test_compare_learning_checks_the_first_step_on_its_own():
     """step1_* compares only the first step (same weights in every mode): equal laws there pass, a shifted length
     law fails (negative control) even when the pooled steps hide it."""

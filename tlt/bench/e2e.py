@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -362,7 +363,8 @@ def cost_table(res_records: dict[str, list[dict]]) -> list[dict]:
 
 
 def _median_metric(recs: list[dict], key: str) -> float | None:
-    xs = [r["metrics"][key] for r in recs if r["metrics"].get(key) is not None]
+    """The median over the steps that have the metric: a step without one logs None or NaN (no SD step ran)."""
+    xs = [x for r in recs if (x := r["metrics"].get(key)) is not None and math.isfinite(x)]
     return statistics.median(xs) if xs else None
 
 
