@@ -88,6 +88,20 @@ def test_huge_pages_keep_the_users_setting_and_need_the_kernels(tmp_path, monkey
     assert not huge_pages_for_host_tensors(str(setting)) and os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
+def test_a_trainer_process_asks_for_huge_pages_where_it_retains_freed_memory(monkeypatch, capsys):
+    from tlt.config import load_config
+    from tlt.rl import trainer
+    from tlt.rl.trainer import DEFAULT_CONFIG
+    asked = []
+    monkeypatch.setattr(trainer, "huge_pages_for_host_tensors", lambda: asked.append(1) or True)
+    monkeypatch.setattr(trainer, "retain_freed_host_memory", lambda: True)
+    trainer.retain_freed_memory_for(load_config(str(DEFAULT_CONFIG), ["model.device=cpu"]))
+    assert asked == [1] and "in transparent huge pages" in capsys.readouterr().out
+    trainer.retain_freed_memory_for(load_config(str(DEFAULT_CONFIG), ["model.device=cpu",
+                                                                      "trainer.retain_freed_memory=false"]))
+    assert asked == [1]
+
+
 def test_retained_by_default_on_cpu_only():
     assert retains_freed_memory(None, torch.device("cpu"))
     assert not retains_freed_memory(None, torch.device("cuda"))

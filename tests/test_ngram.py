@@ -39,6 +39,45 @@ def test_index_is_built_only_for_proposals_and_matches_eager_indexing():
         d.update("b", [rng.randrange(6)])
 
 
+def test_lazy_index_proposes_what_eager_indexing_does():
+    """Random groups over three prompts, epochs with history, finished siblings, chains and trees: the lazy index
+    proposes exactly what one brought up to date on every token does."""
+    import random
+
+    class Eager(NgramDrafter):
+        def register(self, seq_id, group_id, prompt_key, token_ids):
+            super().register(seq_id, group_id, prompt_key, token_ids)
+            for s in [self.seqs[seq_id], *self.group_history[group_id]]:
+                self._indexed(s)
+
+        def update(self, seq_id, new_tokens):
+            super().update(seq_id, new_tokens)
+            self._indexed(self.seqs[seq_id])
+
+    rng = random.Random(1)
+    lazy, eager = NgramDrafter(max_n=3, min_n=1, num_draft_tokens=4), Eager(max_n=3, min_n=1, num_draft_tokens=4)
+    prompts = {p: [rng.randrange(5) for _ in range(rng.randrange(3, 12))] for p in range(3)}
+    for epoch in range(4):
+        for g, p in enumerate(prompts):
+            gid, members = (epoch, g), [(epoch, g, i) for i in range(3)]
+            for d in (lazy, eager):
+                for m in members:
+                    d.register(m, gid, p, prompts[p])
+            running = list(members)
+            while running:
+                m = rng.choice(running)
+                assert lazy.propose(m) == eager.propose(m)
+                assert lazy.propose_tree(m, k=4, width=2) == eager.propose_tree(m, k=4, width=2)
+                toks = [rng.randrange(5) for _ in range(rng.randrange(1, 4))]
+                done = rng.random() < 0.15
+                for d in (lazy, eager):
+                    d.update(m, toks)
+                    if done:
+                        d.finish(m)
+                if done:
+                    running.remove(m)
+
+
 def test_longest_n_wins_over_recency():
     d = NgramDrafter(max_n=3, min_n=1, num_draft_tokens=1)
     d.register("a", 0, "p", [5, 1, 2, 8, 0, 2, 6, 1, 2])

@@ -288,6 +288,29 @@ def test_sd_costs_are_reported(tiny_llama_dir):
     assert st["spec_net_saved_s"] != 0 and abs(st["spec_net_saved_s"]) < 100
 
 
+def test_ngram_index_catch_up_is_not_charged_to_the_arm(tiny_llama_dir, monkeypatch):
+    """The n-gram index is built when a proposal first needs it: that catch-up over the tokens decoded so far is
+    paid once a sequence, not a cost of the arm's step, so the bandit is not given it (made 50 ms here)."""
+    import time
+    from tlt.speculative.ngram import NgramDrafter
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", speculative_config=NGRAM)
+    indexed = NgramDrafter._indexed
+
+    def slow(self, seq):
+        if seq.indexed < len(seq.tokens):
+            time.sleep(0.05)
+            self.index_time_s += 0.05
+        return indexed(self, seq)
+    monkeypatch.setattr(NgramDrafter, "_indexed", slow)
+    charged, update = [], llm.spec.bandit.update
+    monkeypatch.setattr(llm.spec.bandit, "update", lambda bs, arm, tokens, seconds: (
+        charged.append((arm.method, seconds)), update(bs, arm, tokens, seconds)))
+    llm.generate([[3, 7, 1, 3, 7, 1, 3, 7]], tlt.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    ngram = [s for method, s in charged if method == "ngram"]
+    assert ngram and max(ngram) < 0.05
+    assert llm.spec.ngram.index_time_s >= 0.05 * len(ngram)  # every step caught up on the tokens it added
+
+
 def test_a_closed_bucket_keeps_no_hidden_states_and_a_new_drafter_resumes_the_capture(sharp_llama):
     """Buckets closed mid-rollout (SD did not pay there): the steps that follow keep no hidden states, neither for
     drafting nor as drafter data; a published drafter reopens them and the capture resumes. The tokens are plain

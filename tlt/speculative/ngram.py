@@ -17,6 +17,7 @@ first read them.
 """
 from __future__ import annotations
 
+import time
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class NgramDrafter:
         self.groups: dict[Hashable, list[Hashable]] = {}
         self.history: OrderedDict[Hashable, deque] = OrderedDict()  # prompt_key -> finished token arrays, newest last
         self.group_history: dict[Hashable, list[_Seq]] = {}  # group_id -> indexed history of its prompt (read-only)
+        self.index_time_s = 0.0  # spent bringing indexes up to date (a proposal's catch-up on its pools)
 
     # ---- bookkeeping ----
     def register(self, seq_id: Hashable, group_id: Hashable, prompt_key: Hashable, token_ids: list[int]) -> None:
@@ -91,10 +93,13 @@ class NgramDrafter:
         """seq's index, brought up to date: every n-gram that ends right before a position e (so each has a
         continuation), the latest e for each; positions are indexed in order, once."""
         toks, index = seq.tokens, seq.index
-        for e in range(seq.indexed, len(toks)):
-            for n in range(self.min_n, min(self.max_n, e) + 1):
-                index[tuple(toks[e - n:e])] = e
-        seq.indexed = max(seq.indexed, len(toks))
+        if seq.indexed < len(toks):
+            t0 = time.perf_counter()
+            for e in range(seq.indexed, len(toks)):
+                for n in range(self.min_n, min(self.max_n, e) + 1):
+                    index[tuple(toks[e - n:e])] = e
+            seq.indexed = len(toks)
+            self.index_time_s += time.perf_counter() - t0
         return index
 
     # ---- proposals ----

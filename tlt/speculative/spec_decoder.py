@@ -205,7 +205,7 @@ class SpecDecoder:
     # ---- one speculative step -------------------------------------------------------------------------------
     def step(self, seqs: list[Sequence]) -> list[Sequence]:
         t0 = time.perf_counter()
-        captures = self.engine.num_graph_captures
+        captures, indexing = self.engine.num_graph_captures, self.ngram.index_time_s
         arm = self.bandit.select(len(seqs))
         bucket = self.bandit.bucket_name(self.bandit.bucket(len(seqs)))
         self.st["arm_counts"][f"{bucket}:{arm.name}"] += 1
@@ -222,8 +222,9 @@ class SpecDecoder:
                 done, emitted = self._speculate(seqs, arm, bucket)
             finally:
                 self._speculating = False
-        # a step that captured a CUDA graph (~10-100 plain steps, once) says nothing of the arm
-        seconds = time.perf_counter() - t0
+        # a step that captured a CUDA graph (~10-100 plain steps, once) says nothing of the arm; nor does the n-gram
+        # index's catch-up on the tokens decoded so far, paid once by the first n-gram step of each sequence
+        seconds = time.perf_counter() - t0 - (self.ngram.index_time_s - indexing)
         if self.engine.num_graph_captures == captures:
             if arm.method != "off" and (plain := self.bandit.plain_seconds(len(seqs), emitted)) is not None:
                 self.st["sd_step_time_s"] += seconds
