@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from tlt.device import transparent_huge_pages_mode
 from tlt.rl.trainer import retains_freed_memory
 
 # a fresh process allocates and frees a 64 MiB tensor six times and prints the page faults of the last three (the
@@ -28,9 +29,11 @@ print(sum([faults() for _ in range(6)][3:]))
 PAGES = 64 * 2**20 // 4096
 
 
-def _reallocation_faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+def _faults(probe: str, mode: str) -> int:
+    """Run a probe in a fresh process (one thread, torch's allocator as it comes) and return the faults it prints."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True, timeout=120,
+                         env={**env, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr
     return int(out.stdout.split()[-1])
 
@@ -38,8 +41,8 @@ def _reallocation_faults(mode: str) -> int:
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
 def test_freed_memory_is_reused_without_page_faults():
     # control: glibc maps a block this large on its own and unmaps it on free, so every page faults again
-    assert _reallocation_faults("plain") > 3 * PAGES // 2
-    assert _reallocation_faults("retain") < PAGES // 10
+    assert _faults(PROBE, "plain") > 3 * PAGES // 2
+    assert _faults(PROBE, "retain") < PAGES // 10
 
 
 # a fresh process allocates a 64 MiB tensor, writes every page and prints the page faults that took
@@ -55,24 +58,11 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _thp_mode() -> str:
-    try:
-        return open("/sys/kernel/mm/transparent_hugepage/enabled").read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "never"
-
-
-@pytest.mark.skipif(_thp_mode() != "madvise", reason="needs the kernel's THP in madvise mode (the control needs it "
-                                                     "off by default)")
+@pytest.mark.skipif(transparent_huge_pages_mode() != "madvise",
+                    reason="needs the kernel's THP in madvise mode (the control needs it off by default)")
 def test_huge_pages_for_host_tensors_fault_2mib_at_a_time():
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    def faults(mode):
-        out = subprocess.run([sys.executable, "-c", HUGE_PROBE, mode], capture_output=True, text=True, timeout=120,
-                             env={**env, "OMP_NUM_THREADS": "1"})
-        assert out.returncode == 0, out.stderr
-        return int(out.stdout.split()[-1])
-    assert faults("plain") > PAGES // 2  # control: 4 KiB pages, one fault each
-    assert faults("huge") < PAGES // 10
+    assert _faults(HUGE_PROBE, "plain") > PAGES // 2  # control: 4 KiB pages, one fault each
+    assert _faults(HUGE_PROBE, "huge") < PAGES // 10
 
 
 def test_huge_pages_keep_the_users_setting_and_need_the_kernels(tmp_path, monkeypatch):

@@ -68,18 +68,22 @@ def retain_freed_host_memory() -> bool:
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
+def transparent_huge_pages_mode(setting_file: str = THP_SETTING) -> str:
+    """The kernel's THP mode: "always", "madvise" or "never" ("never" where the setting cannot be read)."""
+    try:
+        with open(setting_file) as f:
+            return f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return "never"
+
+
 def huge_pages_for_host_tensors(setting_file: str = THP_SETTING) -> bool:
     """Ask PyTorch's CPU allocator to back each tensor of 2 MiB or more with transparent huge pages
     (THP_MEM_ALLOC_ENABLE: it aligns the block and madvises it). One fault then maps 2 MiB instead of 4 KiB, and
     the GEMMs miss the TLB less. PyTorch reads the variable once, at the process's first tensor allocation, so a
     process calls this before it allocates any (docs/design.md §10). A value the user set is kept. Returns whether
     huge pages apply: the variable is on and the kernel's THP mode is "always" or "madvise"."""
-    try:
-        with open(setting_file) as f:
-            mode = f.read()
-    except OSError:
-        return False
-    if "[always]" not in mode and "[madvise]" not in mode:
+    if transparent_huge_pages_mode(setting_file) not in ("always", "madvise"):
         return False
     return os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1") == "1"
 

@@ -54,6 +54,7 @@ from tlt.engine.llm_engine import SMALL_BATCHES
 
 # adaptive_rej: acceptance=rejection; off_control: a second SD-off process, whose ratios to off are the machine's
 MODES = ("off", "always", "adaptive", "adaptive_rej", "frozen", "ngram", "off_control")
+SD_OFF_MODES = ("off", "off_control")
 DEFAULT_MODES = ("off", "always", "adaptive")  # each mode is a whole trainer process: ~5 GB for the default model
 # off: no SD; always: one fixed EAGLE chain at every batch size; adaptive: gate + bandit, drafter trained online;
 # frozen: adaptive with the warm-started drafter never trained; ngram: adaptive with model-free drafts only.
@@ -100,7 +101,7 @@ def resolve_drafter(cfg) -> tuple[str, str | None, str]:
 def mode_config(cfg, mode: str, method: str, drafter: str | None, out: Path):
     c = copy.deepcopy(cfg)
     s, t = c.speculative, c.trainer
-    s.enabled = mode not in ("off", "off_control")
+    s.enabled = mode not in SD_OFF_MODES
     s.method, s.model = method, drafter
     if mode == "always":
         s.bs_threshold, s.adaptive = None, False
@@ -470,9 +471,9 @@ def main(argv: list[str] | None = None) -> int:
                  for m, v in res.items()]
         print_table(lrows, ["mode", "same_resp", "reward", "resp_len", "step1_reward_p", "step1_len_ks_p",
                             "reward_mwu_p", "reward_ks_p", "len_mwu_p", "len_ks_p", "d_reward/step", "95%CI"])
-    best = max((v.get("step_speedup") or 0.0 for m, v in res.items() if m != "off_control"), default=0.0)
+    best = max((v.get("step_speedup") or 0.0 for m, v in res.items() if m not in SD_OFF_MODES), default=0.0)
     verdict = (f"best median here {best:.2f}x ({'met' if best >= STEP_SPEEDUP_GOAL else 'not met'})"
-               if any(m not in ("off", "off_control") for m in res) else "no SD mode ran (--modes)")
+               if any(m not in SD_OFF_MODES for m in res) else "no SD mode ran (--modes)")
     print(f"\ngoal: step time >= {STEP_SPEEDUP_GOAL}x faster than SD off; {verdict}; curves: {png}")
     if "off" in res:  # Amdahl: SD speeds the rollout only, so no SD mode can beat a rollout that takes no time
         print(f"ceiling: with SD off the rollout is {res['off']['gen_share']:.0%} of a step (median), so a rollout "

@@ -223,7 +223,8 @@ class SpecDecoder:
             finally:
                 self._speculating = False
         # a step that captured a CUDA graph (~10-100 plain steps, once) says nothing of the arm; nor does the n-gram
-        # index's catch-up on the tokens decoded so far, paid once by the first n-gram step of each sequence
+        # index's catch-up on the tokens its pools gained since an n-gram step last read them (all of them, prompts
+        # included, at a sequence's first)
         seconds = time.perf_counter() - t0 - (self.ngram.index_time_s - indexing)
         if self.engine.num_graph_captures == captures:
             if arm.method != "off" and (plain := self.bandit.plain_seconds(len(seqs), emitted)) is not None:
