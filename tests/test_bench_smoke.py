@@ -106,3 +106,17 @@ def test_bench_temperature_must_be_positive(capsys):
         with pytest.raises(SystemExit) as e:
             main(["--quick", "--temperature", "0"])
         assert e.value.code == 2 and "--temperature 0.0: must be > 0" in capsys.readouterr().err
+
+
+def test_bench_spec_times_only_the_strategies_asked_for(tmp_path, capsys):
+    """--strategies picks what is timed against plain decoding (always timed); a name it does not know, plain
+    itself, or an EAGLE strategy without a drafter is refused before any model loads."""
+    from tlt.bench import spec
+    for bad, why in ((["--strategies", "plain"], "plain is always timed"), (["--strategies", "medusa"], "choose from"),
+                     (["--no-drafter", "--strategies", "adaptive"], "only ngram runs without a drafter")):
+        with pytest.raises(SystemExit) as e:
+            spec.main(["--quick", "--model", str(tmp_path / "absent"), *bad])
+        assert e.value.code == 2 and why in capsys.readouterr().err
+    assert list(spec.strategies("d", 4, wanted=["adaptive"])) == ["plain", "adaptive"]
+    assert list(spec.strategies("d", 4, sd_eager=True, wanted=["ngram"])) == ["plain", "ngram", "ngram/sd_eager"]
+    assert list(spec.strategies("d", 4)) == ["plain", "ngram", "eagle_chain", "eagle_tree", "adaptive"]  # control

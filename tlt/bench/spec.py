@@ -2,6 +2,7 @@
 
     tlt bench spec [--drafter DIR] [--batch-sizes 1,2,4,8,16,32] [--max-tokens 128] [--repeats 3] [--quick]
                    [--temperature 1.0] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16] [--sd-eager-too]
+                   [--strategies ngram,eagle_chain,eagle_tree,adaptive]
 
 Strategies: each fixed arm (EAGLE chain, EAGLE tree, n-gram) and the adaptive policy (bandit over the arm table,
 SD gated by batch size). Prompts are the default task's chat prompts; every configuration samples with the same
@@ -22,10 +23,12 @@ from tlt.bench.common import (TASKS, default_task_prompt_ids, interleaved_times,
 from tlt.device import resolve_device, resolve_dtype
 
 
-def strategies(drafter: str | None, depth: int, sd_eager: bool = False) -> dict[str, dict | None]:
-    """Each strategy's speculative_config; sd_eager adds "<name>/sd_eager", the same with the speculator's CUDA
-    graphs off (the target's stay on)."""
-    s = _strategies(drafter, depth)
+def strategies(drafter: str | None, depth: int, sd_eager: bool = False,
+               wanted: list[str] | None = None) -> dict[str, dict | None]:
+    """Each strategy's speculative_config, plain first; sd_eager adds "<name>/sd_eager", the same with the
+    speculator's CUDA graphs off (the target's stay on); wanted: only these besides plain (None: all)."""
+    s = {name: spec for name, spec in _strategies(drafter, depth).items()
+         if wanted is None or name == "plain" or name in wanted}
     if sd_eager:
         s.update({f"{name}/sd_eager": spec for name, spec in list(s.items()) if spec is not None})
     return s
@@ -109,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--sd-eager-too", action="store_true",
                     help="also each SD strategy with the speculator's CUDA graphs off (the target's stay on)")
+    ap.add_argument("--strategies", default=None,
+                    help="comma list of the strategies to time against plain decoding (default: all of "
+                         "ngram, eagle_chain, eagle_tree, adaptive; the EAGLE ones need a drafter)")
     ap.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
     a = ap.parse_args(argv)
     if a.quick:
@@ -116,6 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     if not a.temperature > 0:
         ap.error(f"--temperature {a.temperature}: must be > 0 (the benchmark samples, and the oracle "
                  "bound divides the logits by it)")
+    wanted = None if a.strategies is None else [x.strip() for x in a.strategies.split(",") if x.strip()]
+    known = list(_strategies("drafter", a.depth))
+    if wanted is not None:
+        bad = [x for x in wanted if x not in known or x == "plain"]
+        if bad or not wanted:
+            ap.error(f"--strategies {a.strategies!r}: choose from {', '.join(known[1:])} (plain is always timed)")
+        if a.no_drafter and any(x != "ngram" for x in wanted):
+            ap.error(f"--strategies {a.strategies!r} with --no-drafter: only ngram runs without a drafter")
     from tlt.models import load_model, load_tokenizer
     from tlt.models.smollm import default_model_path
     model_dir = a.model or str(default_model_path())
@@ -133,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = default_task_prompt_ids(tok, max(sizes), seed=a.seed + 1000, task=a.task)
     rows, results, pairs = [], {}, []
     for bs in sizes:
-        bs_rows, bs_pairs = run_ours(model, tok, prompts, bs, strategies(drafter, a.depth, a.sd_eager_too),
+        bs_rows, bs_pairs = run_ours(model, tok, prompts, bs, strategies(drafter, a.depth, a.sd_eager_too, wanted),
                                      a.max_tokens, a.repeats, a.seed, a.temperature)
         if bs == max(sizes):
             pairs = bs_pairs  # plain decoding's responses at the largest batch size: the oracle bound's sample
