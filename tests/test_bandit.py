@@ -239,6 +239,82 @@ def test_arms_compared_at_their_own_batch_size():
     assert bandit.best(3) is OFF
 
 
+def test_sd_steps_are_priced_at_the_current_plain_step_time():
+    """At bs 2 a plain step took 14 ms while the process warmed up, then 11 ms. A chain's steps (1.575 tokens a row in
+    20.5 ms: 0.88x of an 11 ms plain step) recorded in between looked 1.08x against the first "off" steps and were
+    chosen. The later "off" steps alone reprice them: the chain falls below "off", the ledger of its steps turns
+    negative and the bucket closes. Priced when recorded (the control: the chain's estimate would not move with
+    "off" steps), it kept its 1.08x for its whole window."""
+    chain = Arm("chain2", "eagle_chain", 2, 1, 2)
+    bandit = _one_bucket([OFF, chain], epsilon=0.0, min_samples=5)
+    for _ in range(3):
+        bandit.update(2, OFF, 2, 0.014)
+    for _ in range(50):
+        bandit.update(2, chain, 3.15, 0.0205)
+    before = bandit.estimate(0, "chain2")
+    assert before == pytest.approx(1.575 * 0.014 / 0.0205) and bandit.best(2) is chain
+    assert bandit.ledger_seconds(0) > 0 and not bandit.closed_buckets()
+    for _ in range(20):
+        bandit.update(2, OFF, 2, 0.011)
+    t_off = (3 * 0.014 + 20 * 0.011) / 23
+    after = bandit.estimate(0, "chain2")
+    assert after == pytest.approx(1.575 * t_off / 0.0205) and after < 0.9  # control: before > 1.03
+    assert bandit.estimate(0, "off") == pytest.approx(1.0) and bandit.best(2) is OFF
+    assert bandit.ledger_seconds(0) == pytest.approx(50 * (1.575 * t_off - 0.0205)) and 1.575 * t_off < 0.0205
+    assert bandit.closed_buckets() == ["bs>=1"]
+
+
+def test_off_is_one_at_every_mix_of_batch_sizes():
+    """"off" prices its own steps at its own per-batch-size row-token times: exactly 1.0 whatever batch sizes it ran
+    at and however they differ; an SD arm at a batch size "off" never ran is priced at the nearest one."""
+    chain = Arm("chain2", "eagle_chain", 2, 1, 2)
+    bandit = StrategyBandit([4, math.inf], [[OFF, chain], [OFF]], epsilon=0.0)
+    for bs, s in ((2, 0.010), (3, 0.012), (2, 0.011), (4, 0.020)):
+        bandit.update(bs, OFF, bs, s)
+    assert bandit.estimate(0, "off") == pytest.approx(1.0)
+    bandit.update(3, chain, 6, 0.024)  # 2 tokens a row in 24 ms at bs 3, where a plain step takes 12 ms
+    bandit.update(1, chain, 1, 0.0105)  # bs 1 never ran "off": priced at bs 2's 10.5 ms (the nearest)
+    assert bandit.estimate(0, "chain2") == pytest.approx((2 * 0.012 + 1 * 0.0105) / (0.024 + 0.0105))
+
+
+def test_with_no_request_waiting_a_step_is_worth_what_it_gives_the_critical_row():
+    """bs 2, nothing waiting, a plain step costing 12 ms at bs 1 and 2 (flat): the rollout ends when the row with the
+    most left does, so a chain step (17.7 ms) giving the rows 1.57 tokens on average but the critical row 1.28 is
+    worth 1.28 plain steps (0.87x), and "off" stays. Control: the same steps where a request waits (a finished row's
+    slot is refilled, every token counts) are worth 1.57 plain steps (1.06x), and the chain is chosen."""
+    chain = Arm("chain2", "eagle_chain", 2, 1, 2)
+
+    def run(critical):
+        bandit = StrategyBandit([1, 4, math.inf], [[OFF], [OFF, chain], [OFF]], epsilon=0.0, close=False)
+        bandit.update(1, OFF, 1, 0.012)
+        for _ in range(5):
+            bandit.update(2, OFF, 2, 0.012, 1 if critical else None)
+        for _ in range(20):
+            bandit.update(2, chain, 3.14, 0.0177, 1.28 if critical else None)
+        return bandit
+    by_critical, waiting = run(True), run(False)
+    assert by_critical.estimate(1, "chain2") == pytest.approx(1.28 * 0.012 / 0.0177) and by_critical.best(2) is OFF
+    assert waiting.estimate(1, "chain2") == pytest.approx(1.57 * 0.012 / 0.0177) and waiting.best(2) is chain
+    assert by_critical.estimate(1, "off") == pytest.approx(1.0) == waiting.estimate(1, "off")
+
+
+def test_a_steps_cost_splits_into_a_fixed_part_and_a_part_per_row():
+    """A plain step costs 10 ms at bs 1 and 16 ms at bs 4: 10 ms fixed (the weights read once a step) and 2 ms a row.
+    With nothing waiting, a step at bs 4 giving 8 tokens, 2 of them to the critical row, is worth 2 * 10 + 6 * 2 =
+    32 ms of plain decoding; with a request waiting 8 / 4 * 16 = 32 ms too, and a step giving the critical row 1
+    and the others 7 is worth 24 ms where 32 ms if one waits. A plain step is worth itself either way. Without a
+    step at bs 1 measured, the cost is taken as proportional to the batch."""
+    bandit = StrategyBandit([1, 4, math.inf], [[OFF], [OFF, CHAIN], [OFF]], epsilon=0.0)
+    bandit.update(4, OFF, 4, 0.016, 1)
+    assert bandit.plain_seconds(4, 8, critical=1) == pytest.approx(8 / 4 * 0.016)  # no bs-1 step yet
+    bandit.update(1, OFF, 1, 0.010)
+    assert bandit.plain_seconds(4, 8, critical=2) == pytest.approx(2 * 0.010 + 6 * 0.002)
+    assert bandit.plain_seconds(4, 8, critical=1) == pytest.approx(0.010 + 7 * 0.002)
+    assert bandit.plain_seconds(4, 8) == pytest.approx(0.032)
+    assert bandit.plain_seconds(4, 4, critical=1) == pytest.approx(0.016) == bandit.plain_seconds(4, 4)
+    assert bandit.plain_seconds(1, 3, critical=3) == pytest.approx(0.030)
+
+
 def test_plain_seconds_prices_sd_tokens_at_plain_decodings_step_time():
     """What plain decoding would take for an SD step's tokens: tokens / bs * t_off(bs), from the measured "off"
     steps of the bucket (the nearest batch size measured); None before any, so no SD step is priced by a guess."""
@@ -319,9 +395,9 @@ def test_a_bucket_where_sd_pays_never_closes_and_charges_can_close_one():
     tie.update(1, OFF, 1.0, 1.0)
     for _ in range(5):
         tie.update(1, chain, 1.02, 1.0)
-    assert tie.best(1) is OFF and tie.ledger_sum[0] > 0 and not tie.closed_buckets()
+    assert tie.best(1) is OFF and tie.ledger_seconds(0) > 0 and not tie.closed_buckets()
     tie.charge(1, 0.2)
-    assert tie.ledger_sum[0] < 0 and tie.closed_buckets() == ["bs>=1"]
+    assert tie.ledger_seconds(0) < 0 and tie.closed_buckets() == ["bs>=1"]
 
 
 def test_a_closed_bucket_runs_off_even_if_an_sd_arm_looks_best_later():
@@ -332,5 +408,5 @@ def test_a_closed_bucket_runs_off_even_if_an_sd_arm_looks_best_later():
     bandit.update(1, chain, 0.9, 1.0)
     assert bandit.closed_buckets() == ["bs>=1"]
     for _ in range(50):
-        bandit.update(1, OFF, 0.5, 1.0)  # off's estimate falls below the chain's frozen one (any drift will do)
+        bandit.update(1, OFF, 0.5, 1.0)  # plain decoding slows: the chain's steps now price above "off"
     assert bandit.best(1) is chain and bandit.select(1) is OFF  # the greedy choice moved; closed still runs off

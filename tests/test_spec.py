@@ -303,12 +303,51 @@ def test_ngram_index_catch_up_is_not_charged_to_the_arm(tiny_llama_dir, monkeypa
         return indexed(self, seq)
     monkeypatch.setattr(NgramDrafter, "_indexed", slow)
     charged, update = [], llm.spec.bandit.update
-    monkeypatch.setattr(llm.spec.bandit, "update", lambda bs, arm, tokens, seconds: (
-        charged.append((arm.method, seconds)), update(bs, arm, tokens, seconds)))
+    monkeypatch.setattr(llm.spec.bandit, "update", lambda bs, arm, tokens, seconds, critical: (
+        charged.append((arm.method, seconds)), update(bs, arm, tokens, seconds, critical)))
     llm.generate([[3, 7, 1, 3, 7, 1, 3, 7]], tlt.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     ngram = [s for method, s in charged if method == "ngram"]
     assert ngram and max(ngram) < 0.05
     assert llm.spec.ngram.index_time_s >= 0.05 * len(ngram)  # every step caught up on the tokens it added
+
+
+def test_the_critical_row_is_given_to_the_bandit_only_when_no_request_waits(tiny_llama_dir, monkeypatch):
+    """Three requests, two slots: while the third waits, steps are valued by all their tokens (critical None); once
+    it runs, by what the row with the most tokens left to its max_tokens gained (a row with 30 left, beside rows
+    with 6 and fewer, is the one whose end ends the rollout). Checked against each row's own output lengths."""
+    from tlt.speculative.spec_decoder import SpecDecoder
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=2, speculative_config=NGRAM)
+    seen, update, step = [], llm.spec.bandit.update, SpecDecoder.step
+
+    def spy(self, seqs):
+        left = [s.max_total_len - s.num_tokens for s in seqs]
+        before = [len(s.output_ids) for s in seqs]
+        waiting = bool(self.engine.scheduler.waiting)
+        done = step(self, seqs)
+        most = max(left)
+        gained = min(len(s.output_ids) - b for s, b, n in zip(seqs, before, left) if n == most)
+        seen.append((waiting, gained))
+        return done
+    monkeypatch.setattr(SpecDecoder, "step", spy)
+    got = []
+    monkeypatch.setattr(llm.spec.bandit, "update", lambda bs, arm, tokens, seconds, critical: (
+        got.append(critical), update(bs, arm, tokens, seconds, critical)))
+    prompts = [[3, 7, 1, 3, 7, 1, 3, 7], [5, 2, 5, 2, 5, 2], [4, 4, 4, 4]]
+    params = [tlt.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 4, 30)]
+    llm.generate(prompts, params)
+    assert len(got) == len(seen) and any(w for w, _ in seen) and not all(w for w, _ in seen)
+    assert got == [None if waiting else gained for waiting, gained in seen]
+    assert _critical_rows_of([(10, 6, 2), (10, 30, 5), (12, 28, 4)]) == [(1, 5)]  # left: 4, 25, 24
+    assert _critical_rows_of([(10, 6, 2), (10, 8, 4)]) == [(0, 2), (1, 4)]      # tied: both
+
+
+def _critical_rows_of(rows):
+    """_critical_rows over sequences given as (prompt length, max_tokens, output length)."""
+    from tlt.engine.sequence import Sequence
+    from tlt.speculative.spec_decoder import _critical_rows
+    seqs = [Sequence(i, i, 0, i, [1] * p, tlt.SamplingParams(max_tokens=m), torch.Generator(), output_ids=[2] * o)
+            for i, (p, m, o) in enumerate(rows)]
+    return _critical_rows(seqs)
 
 
 def test_a_closed_bucket_keeps_no_hidden_states_and_a_new_drafter_resumes_the_capture(sharp_llama):
@@ -357,8 +396,8 @@ def test_above_the_gate_the_capture_follows_whether_any_bucket_is_open(sharp_lla
     bandit.closed[top] = True
     assert not spec.capturing(25) and spec.capturing(40)  # 25: its own closed bucket; 40: above the gate
     spec.charge_capture(40, 5.0)
-    assert all(s == 0 for s in bandit.ledger_sum)
+    assert all(bandit.ledger_seconds(b) == 0 for b in range(len(bandit.arms)))
     spec.charge_capture(3, 5.0)
-    assert bandit.ledger_sum[bandit.bucket(3)] == -5.0  # control: below the gate the step's bucket is charged
+    assert bandit.ledger_seconds(bandit.bucket(3)) == -5.0  # control: below the gate the step's bucket is charged
     bandit.closed = [True] * len(bandit.closed)
     assert not spec.capturing(40) and not spec.capturing(1)

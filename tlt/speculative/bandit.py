@@ -10,11 +10,27 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   deep tree's spike) and the rare long accepts, so it ranks arms by their typical step rather than by the tokens
   per second they actually deliver; the ratio of sums is what a rollout's wall time depends on.
 - Throughput is measured against plain decoding at the step's own batch size: a step at batch size bs that
-  emits `tokens` in `seconds` counts tokens / bs * t_off(bs) "plain seconds", t_off(bs) being the running mean of
-  the "off" arm's step time at that batch size (the nearest one measured in the bucket until then). The estimate
-  sum(plain seconds) / sum(seconds) is then a speedup over plain decoding (off ~ 1.0). Raw tokens/s would compare
-  arms measured at different batch sizes of one bucket: at bs 2-4 a decode step costs about the same at either
-  end, so whichever arm happened to run at bs 4 looked twice as fast as one that ran at bs 2.
+  emits `tokens` in `seconds` advances each row tokens / bs; plain decoding takes t_off(bs) a row-token, the "off"
+  arm's seconds over its row-tokens at that batch size in its window (the nearest batch size it ran in the bucket
+  otherwise). An arm's estimate sum(row-tokens * t_off(bs)) / sum(seconds) over its window is a speedup over plain
+  decoding ("off" is exactly 1.0). Raw tokens/s would compare arms measured at different batch sizes of one bucket:
+  at bs 2-4 a decode step costs about the same at either end, so whichever arm happened to run at bs 4 looked
+  twice as fast as one that ran at bs 2.
+- t_off is read when an estimate is, not when a step is recorded: every arm is priced at the same, current plain
+  step time. Priced at record time, an SD step kept the t_off of its moment for its whole window: at bs 2 on a
+  2-core CPU the first plain steps of a process ran 13-16 ms and the later ones 10-11 ms, so a chain at 0.87x of
+  plain decoding was recorded at 1.01x against "off"'s 0.94x and held 65% of the steps for hundreds of steps.
+- Where no request waits for a slot, the batch can only shrink, and its rollout ends when the row with the most
+  tokens left to its limit does (the critical row). Then a step's tokens are worth what they save of that: a
+  plain step's cost t_off(bs) splits into a fixed part, min(t_off(1), t_off(bs)) (the weights read once a step),
+  and (bs - 1) equal parts per row; the critical row's tokens are priced at the fixed part, the others' at the
+  per-row part. A plain step is worth itself either way; where the cost is proportional to the batch this is the
+  price above. At bs 2 on a 2-core CPU a plain step costs the same as at bs 1: a chain step gave the rows 1.57
+  tokens on average but the critical row 1.28 (the row behind is behind because it accepts less), so priced by
+  the average it looked 1.06x and took 65% of the steps, while the rollout ran 0.80-0.88x of plain decoding's
+  time, its lagging row finishing alone at bs 1. Where a request waits, a finished row's slot is refilled and
+  every token counts alike. Rows that stop at EOS before their limit make the critical row a guess: the row
+  furthest from its limit.
 - "off" is kept unless an SD arm beats it by `min_gain` (a tie costs SD's variance for nothing).
 - An arm is untried until a step of it is recorded, and an SD step is recorded only once its bucket has an "off"
   step to measure it against. The caller leaves out steps that captured a CUDA graph (tlt.speculative.spec_decoder):
@@ -104,6 +120,71 @@ def default_arm_table(device: str = "cpu") -> tuple[list[float], list[list[Arm]]
     ]
 
 
+class _Window:
+    """The last `maxlen` steps as [key, tokens, critical tokens, seconds], key = (batch size, whether the step is
+    valued by its critical row), with running sums per key ([steps, tokens, critical tokens, seconds]), per batch
+    size ([steps, seconds]) and of all seconds: an estimate reads O(keys), not O(steps)."""
+
+    def __init__(self, maxlen: int):
+        self.entries: deque[list] = deque()
+        self.maxlen = maxlen
+        self.by_key: dict[tuple[int, bool], list[float]] = {}
+        self.by_bs: dict[int, list[float]] = {}
+        self.seconds = 0.0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, key: tuple[int, bool], tokens: float, critical: float, seconds: float) -> None:
+        if len(self.entries) == self.maxlen:
+            self.drop_oldest()
+        self.entries.append([key, tokens, critical, seconds])
+        sums = self.by_key.setdefault(key, [0, 0.0, 0.0, 0.0])
+        sums[0] += 1
+        sums[1] += tokens
+        sums[2] += critical
+        sums[3] += seconds
+        per_bs = self.by_bs.setdefault(key[0], [0, 0.0])
+        per_bs[0] += 1
+        per_bs[1] += seconds
+        self.seconds += seconds
+
+    def add_seconds(self, seconds: float) -> None:
+        """Add seconds to the newest step (a cost booked after it)."""
+        entry = self.entries[-1]
+        entry[3] += seconds
+        self.by_key[entry[0]][3] += seconds
+        self.by_bs[entry[0][0]][1] += seconds
+        self.seconds += seconds
+
+    def drop_oldest(self) -> None:
+        key, tokens, critical, seconds = self.entries.popleft()
+        sums = self.by_key[key]
+        sums[0] -= 1
+        sums[1] -= tokens
+        sums[2] -= critical
+        sums[3] -= seconds
+        if not sums[0]:
+            del self.by_key[key]  # no float residue of a key that left the window
+        per_bs = self.by_bs[key[0]]
+        per_bs[0] -= 1
+        per_bs[1] -= seconds
+        if not per_bs[0]:
+            del self.by_bs[key[0]]
+        self.seconds = self.seconds - seconds if self.entries else 0.0
+
+    def keep_last(self, n: int) -> None:
+        while len(self.entries) > n:
+            self.drop_oldest()
+
+    def clear(self) -> None:
+        self.keep_last(0)
+
+    def plain_seconds(self, price) -> float:
+        """Plain decoding's seconds for these steps' tokens, price(key, tokens, critical tokens) per key."""
+        return sum(price(key, tokens, critical) for key, (_, tokens, critical, _) in self.by_key.items())
+
+
 class StrategyBandit:
     def __init__(self, bucket_bounds: Sequence[float] | None = None, arms: Sequence[Sequence[Arm]] | None = None,
                  epsilon: float = 0.1, window: int = 300, seed: int = 0, min_gain: float = 0.03,
@@ -124,17 +205,17 @@ class StrategyBandit:
         self.min_gain, self.margin, self.min_samples, self.recheck = min_gain, margin, min_samples, recheck
         self.far, self.close = far, close
         self.rng = random.Random(seed)
-        # per bucket and arm: the last `window` steps as (tokens, seconds), and their running sums [tokens, seconds]
-        # (select() runs every SD decode step: the estimate is O(1), not a pass over the window)
-        self.steps = [{a.name: deque(maxlen=window) for a in bucket} for bucket in self.arms]
-        self.totals = [{a.name: [0.0, 0.0] for a in bucket} for bucket in self.arms]
-        self.off_step_s: list[dict[int, float]] = [{} for _ in self.arms]  # per bucket: bs -> mean "off" step s
+        # per bucket and arm: its last `window` steps (select() runs every SD decode step: estimates read sums)
+        self.steps = [{a.name: _Window(window) for a in bucket} for bucket in self.arms]
+        self.off = [next((a for a in bucket if a.method == "off"), None) for bucket in self.arms]
+        # plain decoding's step costs by batch size (_plain_costs), and per bucket the estimates, as of the last change
+        self._costs: dict[int, tuple[float, float, float]] = {}
+        self._estimates: list[dict[str, float]] = [{} for _ in self.arms]
         self.counts = [Counter() for _ in self.arms]   # choices per bucket and arm
         self.since_forget = [0 for _ in self.arms]     # choices per bucket since the last forget (decays epsilon)
-        # per bucket, the ledger of the last `window` steps: seconds SD saved (plain seconds - seconds; "off" steps
-        # add 0) minus seconds charged for keeping hidden states; and its running sum
-        self.ledger = [deque(maxlen=window) for _ in self.arms]
-        self.ledger_sum = [0.0 for _ in self.arms]
+        # per bucket, the ledger of the last `window` steps: the tokens and seconds of its SD steps ("off" steps
+        # add none) plus the seconds charged for keeping hidden states; see ledger_seconds
+        self.ledger = [_Window(window) for _ in self.arms]
         self.closed = [False for _ in self.arms]
         self.closed_gain = [1.0 for _ in self.arms]  # per bucket: accept-length growth published since it opened
         self.sd_since_open = [0 for _ in self.arms]    # SD steps recorded per bucket since it (re)opened
@@ -147,7 +228,7 @@ class StrategyBandit:
         arms = self.arms[b]
         untried = self._untried(b)
         if self.closed[b]:
-            arm = next(a for a in arms if a.method == "off")  # a bucket closes only where it has an "off" arm
+            arm = self.off[b]  # a bucket closes only where it has an "off" arm
         elif untried:
             arm = untried[0]
         elif self.rng.random() < self.epsilon * self.window / (self.window + self.since_forget[b]):
@@ -169,49 +250,58 @@ class StrategyBandit:
     def _untried(self, b: int) -> list[Arm]:
         return [a for a in self.arms[b] if not self.steps[b][a.name]]
 
-    def update(self, batch_size: int, arm: Arm, tokens: float, seconds: float) -> None:
+    def update(self, batch_size: int, arm: Arm, tokens: float, seconds: float, critical: float | None = None) -> None:
         """Record one step of `arm` run at `batch_size` (the size it was selected for): tokens emitted, seconds.
+        critical: the tokens it gave the batch's critical row (the one with the most left to generate), where no
+        request waits for a slot, so that the batch can only shrink and its rollout ends with that row; None where
+        one waits (a finished row's slot is refilled: every token counts alike). See the module doc.
         An SD step before any "off" step of its bucket is not recorded (nothing to measure it against yet)."""
         b = self.bucket(batch_size)
-        if arm.method != "off" and not self.off_step_s[b] and any(a.method == "off" for a in self.arms[b]):
+        off = self.off[b]
+        if arm is not off and off is not None and not self.steps[b][off.name]:
             return
-        if arm.method == "off":
-            known = self.off_step_s[b]
-            known[batch_size] = seconds if batch_size not in known else 0.8 * known[batch_size] + 0.2 * seconds
-        tokens = float(tokens) / batch_size * self._plain_step_s(b, batch_size)  # in plain decoding's seconds
-        steps, total = self.steps[b][arm.name], self.totals[b][arm.name]
-        if len(steps) == steps.maxlen:  # the oldest step leaves the window
-            self._drop_oldest(b, arm.name)
-        steps.append((float(tokens), float(seconds)))
-        total[0] += float(tokens)
-        total[1] += float(seconds)
-        self.sd_since_open[b] += arm.method != "off"
-        self._book(b, 0.0 if arm.method == "off" else float(tokens) - float(seconds))
+        key = (batch_size, critical is not None)
+        critical = 0.0 if critical is None else float(critical)
+        self.steps[b][arm.name].add(key, float(tokens), critical, float(seconds))
+        self._changed(b, arm)
+        sd = arm.method != "off"
+        self.sd_since_open[b] += sd
+        if sd:
+            self.ledger[b].add(key, float(tokens), critical, float(seconds))
+        else:
+            self.ledger[b].add(key, 0.0, 0.0, 0.0)
+        self._update_closed(b)
 
     def charge(self, batch_size: int, seconds: float) -> None:
         """Book `seconds` spent at `batch_size` on the machinery SD needs on every step (keeping the target's
         hidden states for the drafter) against its bucket's ledger."""
         b = self.bucket(batch_size)
         if self.ledger[b]:
-            self.ledger_sum[b] -= seconds
-            self.ledger[b][-1] -= seconds
+            self.ledger[b].add_seconds(seconds)
         else:
-            self._book(b, -seconds)
+            self.ledger[b].add((batch_size, False), 0.0, 0.0, seconds)
         self._update_closed(b)
 
-    def _book(self, b: int, net: float) -> None:
-        led = self.ledger[b]
-        if len(led) == led.maxlen:
-            self.ledger_sum[b] -= led[0]
-        led.append(net)
-        self.ledger_sum[b] += net
-        self._update_closed(b)
+    def ledger_seconds(self, b: int) -> float:
+        """Bucket b's ledger over its last `window` steps: the seconds its SD steps saved against plain decoding
+        (priced at the current t_off, as the estimates are), less their own and the seconds charged."""
+        return self.ledger[b].plain_seconds(self._price) - self.ledger[b].seconds
+
+    def _changed(self, b: int, arm: Arm) -> None:
+        """Arm's window in bucket b changed: drop the estimates that read it. A new "off" step reprices the bucket's
+        steps, and every bucket's where it ran at the batch size of one (the fixed part of a step's cost)."""
+        if arm is self.off[b]:
+            self._costs.clear()
+            for est in (self._estimates if b == self.bucket(1) else [self._estimates[b]]):
+                est.clear()
+        else:
+            self._estimates[b].pop(arm.name, None)
 
     def _update_closed(self, b: int) -> None:
         """Close the bucket once SD has lost time there (ledger < 0) and the evidence says it will go on losing: an
         SD step since the bucket (re)opened (a new drafter gets its try), "off" the greedy choice, and every SD arm
         with `min_samples` steps or below `far` times "off"."""
-        if not self.close or self.closed[b] or self.ledger_sum[b] >= 0 or not self.sd_since_open[b]:
+        if not self.close or self.closed[b] or not self.sd_since_open[b] or self.ledger_seconds(b) >= 0:
             return
         best = self._best(b)
         if best.method != "off":
@@ -227,12 +317,6 @@ class StrategyBandit:
 
     def any_open(self) -> bool:
         return not all(self.closed)
-
-    def _drop_oldest(self, b: int, name: str) -> None:
-        tokens, seconds = self.steps[b][name].popleft()
-        total = self.totals[b][name]
-        total[0] -= tokens
-        total[1] -= seconds
 
     def forget(self, methods: Sequence[str] = ("eagle_chain", "eagle_tree"), keep: int | None = None,
                gain: float | None = None) -> None:
@@ -252,49 +336,83 @@ class StrategyBandit:
             self.closed[b], self.closed_gain[b] = False, 1.0  # the new drafter gets its chance; the ledger restarts
             self.sd_since_open[b] = 0
             self.ledger[b].clear()
-            self.ledger_sum[b] = 0.0
             for a in bucket:
-                if a.method not in methods:
-                    continue
-                steps = self.steps[b][a.name]
-                while len(steps) > keep:
-                    self._drop_oldest(b, a.name)
-                if not steps:
-                    self.totals[b][a.name] = [0.0, 0.0]  # exact zero, whatever the float residue of the sums
+                if a.method in methods:
+                    self.steps[b][a.name].keep_last(keep)
+            self._estimates[b].clear()
 
     def could_pay(self, b: int, methods: Sequence[str], gain: float) -> bool:
         """Whether an arm of these methods in bucket b, emitting (1 + gain) times the tokens it did for the same
         seconds, would beat "off" there by min_gain; True where one has no steps yet or the bucket has no "off"."""
-        off = next((a for a in self.arms[b] if a.method == "off"), None)
+        off = self.off[b]
         arms = [a for a in self.arms[b] if a.method in methods]
         if off is None or not self.steps[b][off.name] or any(not self.steps[b][a.name] for a in arms):
             return True
         best = max((self.estimate(b, a.name) for a in arms), default=-math.inf)
         return best * max(1 + gain, 0.0) >= (1 + self.min_gain) * self.estimate(b, off.name)
 
-    def plain_seconds(self, batch_size: int, tokens: float) -> float | None:
-        """What plain decoding would take for `tokens` at `batch_size` (tokens / bs * t_off(bs)), from the "off"
-        steps measured in its bucket; None before any."""
+    def plain_seconds(self, batch_size: int, tokens: float, critical: float | None = None) -> float | None:
+        """What plain decoding would take for a step's tokens at `batch_size` (critical as in `update`), from the
+        "off" steps measured in its bucket's window; None before any."""
         b = self.bucket(batch_size)
-        return tokens / batch_size * self._plain_step_s(b, batch_size) if self.off_step_s[b] else None
+        off = self.off[b]
+        if off is None or not self.steps[b][off.name]:
+            return None
+        return self._price((batch_size, critical is not None), tokens, critical or 0.0)
 
-    def _plain_step_s(self, b: int, batch_size: int) -> float:
-        """Mean step time of "off" at this batch size, else at the nearest measured one; 1.0 before any."""
-        known = self.off_step_s[b]
-        return known[min(known, key=lambda k: (abs(k - batch_size), k))] if known else 1.0
+    def _price(self, key: tuple[int, bool], tokens: float, critical: float) -> float:
+        """Plain decoding's seconds for tokens emitted at a batch size: tokens / bs * t_off(bs) where a request waits;
+        where none does, the critical row's tokens at the fixed part of a plain step and the others' at its
+        per-row part (module doc)."""
+        batch_size, by_critical = key
+        step, fixed, per_row = self._plain_costs(batch_size)
+        if not by_critical:
+            return tokens / batch_size * step
+        return critical * fixed + (tokens - critical) * per_row
+
+    def _plain_costs(self, batch_size: int) -> tuple[float, float, float]:
+        """(t_off(bs), fixed, per row): plain decoding's step time at this batch size, over "off"'s window in its
+        bucket (at the nearest batch size it ran at there; 1.0 where none: estimates are then tokens a row per
+        second), split as fixed + (bs - 1) * per row, fixed = min(t_off(1), t_off(bs)). Without a step at the batch
+        size of one, fixed = per row = t_off(bs) / bs (cost proportional to the batch)."""
+        if batch_size not in self._costs:
+            step = self._plain_step_s(batch_size)
+            one = self._plain_step_s(1) if batch_size > 1 else step
+            if step is None:
+                costs = (1.0, 1.0 / batch_size, 1.0 / batch_size)
+            elif one is None:
+                costs = (step, step / batch_size, step / batch_size)
+            else:
+                fixed = min(one, step)
+                costs = (step, fixed, (step - fixed) / (batch_size - 1) if batch_size > 1 else 0.0)
+            self._costs[batch_size] = costs
+        return self._costs[batch_size]
+
+    def _plain_step_s(self, batch_size: int) -> float | None:
+        """Mean "off" step time at this batch size in its bucket's window, else at the nearest batch size there."""
+        b = self.bucket(batch_size)
+        off = self.off[b]
+        if off is None or not self.steps[b][off.name]:
+            return None
+        per_bs = self.steps[b][off.name].by_bs
+        n, seconds = per_bs[batch_size if batch_size in per_bs else
+                            min(per_bs, key=lambda k: (abs(k - batch_size), k))]
+        return seconds / n
 
     def estimate(self, b: int, name: str) -> float:
         """Speed of the arm over its window relative to plain decoding at the same batch sizes: plain decoding's
-        seconds for the tokens it emitted / its seconds (see the module doc); -inf before its first step."""
-        if not self.steps[b][name]:
-            return -math.inf
-        tokens, seconds = self.totals[b][name]
-        return tokens / max(seconds, 1e-9)
+        seconds for the tokens it emitted (at the current t_off) / its seconds (see the module doc); -inf before
+        its first step."""
+        cache = self._estimates[b]
+        if name not in cache:
+            steps = self.steps[b][name]
+            cache[name] = steps.plain_seconds(self._price) / max(steps.seconds, 1e-9) if steps else -math.inf
+        return cache[name]
 
     def _best(self, b: int) -> Arm:
         arms = self.arms[b]
         top = max(arms, key=lambda a: self.estimate(b, a.name))
-        off = next((a for a in arms if a.method == "off"), None)
+        off = self.off[b]
         if (off is not None and top is not off
                 and self.estimate(b, top.name) < (1 + self.min_gain) * self.estimate(b, off.name)):
             return off

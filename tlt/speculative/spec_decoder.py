@@ -206,6 +206,7 @@ class SpecDecoder:
     def step(self, seqs: list[Sequence]) -> list[Sequence]:
         t0 = time.perf_counter()
         captures, indexing = self.engine.num_graph_captures, self.ngram.index_time_s
+        critical = None if self.engine.scheduler.waiting else _critical_rows(seqs)
         arm = self.bandit.select(len(seqs))
         bucket = self.bandit.bucket_name(self.bandit.bucket(len(seqs)))
         self.st["arm_counts"][f"{bucket}:{arm.name}"] += 1
@@ -226,11 +227,13 @@ class SpecDecoder:
         # index's catch-up on the tokens its pools gained since an n-gram step last read them (all of them, prompts
         # included, at a sequence's first)
         seconds = time.perf_counter() - t0 - (self.ngram.index_time_s - indexing)
+        if critical is not None:  # the tokens the critical row gained (the least among rows tied for it)
+            critical = min(len(seqs[i].output_ids) - before for i, before in critical)
         if self.engine.num_graph_captures == captures:
-            if arm.method != "off" and (plain := self.bandit.plain_seconds(len(seqs), emitted)) is not None:
+            if arm.method != "off" and (plain := self.bandit.plain_seconds(len(seqs), emitted, critical)) is not None:
                 self.st["sd_step_time_s"] += seconds
                 self.st["plain_equiv_s"] += plain
-            self.bandit.update(len(seqs), arm, emitted, seconds)
+            self.bandit.update(len(seqs), arm, emitted, seconds, critical)
         return done
 
     def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str) -> tuple[list[Sequence], int]:
@@ -388,3 +391,12 @@ class SpecDecoder:
 def _sampling_rows(seqs: list[Sequence]) -> tuple[list[float], list[int], list[float]]:
     """The rows' temperature, top_k and top_p, as host lists."""
     return ([s.params.temperature for s in seqs], [s.params.top_k for s in seqs], [s.params.top_p for s in seqs])
+
+
+def _critical_rows(seqs: list[Sequence]) -> list[tuple[int, int]]:
+    """(index, output length) of the rows with the most tokens left to their limit (max_tokens or the context): with
+    no request waiting, the batch only shrinks, and a rollout of rows that run to their limit ends with these
+    (StrategyBandit.update)."""
+    left = [s.max_total_len - s.num_tokens for s in seqs]
+    most = max(left)
+    return [(i, len(s.output_ids)) for i, (s, n) in enumerate(zip(seqs, left)) if n == most]
