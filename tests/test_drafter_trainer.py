@@ -394,6 +394,62 @@ def test_rounds_back_off_while_they_do_not_pay_for_themselves(tiny_llama_dir, tm
     assert 0 < compared[0] < compared[1], compared
 
 
+def test_a_round_judged_worse_on_fresh_responses_is_undone(tiny_llama_dir, tmp_path):
+    """A published round that scores below the weights before it on the next step's held-out responses (prompts no
+    drafter trained on) is undone: the next round trains from the weights before it, and the engine gets those back
+    if that round is refused, or that round's weights if it publishes. Control: judged better on fresh responses,
+    the next round trains on from the published weights."""
+    import tlt
+    from tlt.config import DrafterTrainConfig
+    from tlt.drafter_train.online import OnlineDrafterHook
+    from tlt.speculative.drafter_io import save_drafter
+
+    plain = tlt.LLM(tiny_llama_dir, dtype="float32")
+    drafter_dir = save_drafter(Drafter(plain.engine.model.cfg), tmp_path / "d")
+    outs = plain.generate([[3, 5, 7, 9]] * 8, tlt.SamplingParams(temperature=1.0, max_tokens=24, seed=1,
+                                                               return_hidden_states=True, ignore_eos=True))
+
+    def run(heldout_scores, fresh_scores):
+        """Two steps; scores by weights (0: the start, 1: round 1's, 2: round 2's) on the own step's held-out slice
+        and on the next step's fresh responses. Returns round 2's metrics, the hook, each weights' fc and the
+        engine's fc after round 2."""
+        llm = tlt.LLM(tiny_llama_dir, dtype="float32", speculative_config={"method": "eagle", "model": str(drafter_dir)})
+        cfg = DrafterTrainConfig(min_buffer_tokens=0, batch_tokens=64, window_len=16, holdout_fraction=0.25,
+                                 compare_drafters=False, backoff_max_steps=8)
+        hook = OnlineDrafterHook(cfg, llm.spec)
+        seen: list[torch.Tensor] = []
+
+        def evaluate(batch, **kw):
+            fc = hook.drafter.fc.weight.detach().clone()
+            index = next((i for i, w in enumerate(seen) if torch.equal(w, fc)), None)
+            if index is None:
+                seen.append(fc)
+                index = len(seen) - 1
+            fresh = hook._fresh is not None and batch is hook._fresh[0]
+            score = (fresh_scores if fresh else heldout_scores)[index]
+            return {"acc": score / 3, "accept_proxy": score}  # the publish gate reads acc
+        hook.trainer.evaluate = evaluate
+        metrics = []
+        for step in (1, 2):
+            hook.before_rollout(step)
+            llm.spec.reset_stats()  # "the rollout": SD saved far more than a round costs, so no turn backs off
+            llm.spec.st["sd_step_time_s"], llm.spec.st["plain_equiv_s"] = 100.0, 1100.0
+            hook.rollout_done(step)
+            metrics.append(hook.after_rollout(step, None, outs))
+        assert metrics[0]["drafter/published"] == 1 and len(seen) == 3
+        return metrics[1], hook, seen, llm.spec.drafter.fc.weight.detach()
+
+    m, hook, seen, engine = run({0: 1.5, 1: 1.65, 2: 1.4}, {0: 1.5, 1: 1.3})  # round 1 loses on fresh responses
+    assert m["drafter/reverted"] == 1 and m["drafter/published"] == 0 and m["drafter/last_round_gain"] < 0
+    assert torch.equal(engine, seen[0]) and hook._before_last is None  # round 2 refused: the start's weights again
+    m, hook, seen, engine = run({0: 1.5, 1: 1.65, 2: 1.6}, {0: 1.5, 1: 1.3})
+    assert m["drafter/reverted"] == 1 and m["drafter/published"] == 1 and torch.equal(engine, seen[2])
+    assert torch.equal(hook._before_last["fc.weight"], seen[0])  # round 2 trained from the start's weights
+    m, hook, seen, engine = run({0: 1.5, 1: 1.65, 2: 1.8}, {0: 1.5, 1: 1.6})  # control: round 1 gains on fresh
+    assert m["drafter/reverted"] == 0 and m["drafter/published"] == 1 and torch.equal(engine, seen[2])
+    assert torch.equal(hook._before_last["fc.weight"], seen[1])  # round 2 trained on from round 1's weights
+
+
 def test_training_steps_with_a_draft_vocabulary_need_only_its_rows(target, buffer, monkeypatch):
     """A reduced draft vocabulary: a training step multiplies the target's states by the draft vocabulary's rows of
     the LM head only (no [tokens, vocab] product), and its loss and gradient equal those of the whole-vocabulary

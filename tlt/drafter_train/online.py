@@ -39,7 +39,9 @@ start of the next round. Held-out responses of the round's own step share their 
 so they score the round on responses like those it trained on, while the drafter serves the next steps' prompts.
 Before any round has published, the round's own held-out slice gives the gain; without fresh responses to judge a
 published round by (holdout_fraction=0; a spot run's first round after a resume, whose previous step's responses
-are not checkpointed) there is no verdict and the back-off stays as it is. A skipped turn drops its training: the
+are not checkpointed) there is no verdict and the back-off stays as it is. A round judged worse there than the
+weights it started from is undone: the next round trains from those weights, and publishes them back if it is
+refused (drafter/reverted; docs/design.md §5, "Publishing"). A skipped turn drops its training: the
 next round trains one pass over what arrived after it, and the skipped steps' data stays in the buffer, where later
 rounds sample it (docs/design.md §5). With spot the cost leaves out what the round's thread took from the rollout it
 ran beside (5-15% on a 2-core CPU), so spot rounds back off only where the drafter is worth nothing. The gain a
@@ -275,6 +277,8 @@ class OnlineDrafterHook(DrafterHook):
         `pause`, each drafter step first waits until it is set (the trainer's update runs meanwhile)."""
         t0 = time.perf_counter()
         last_gain = self.last_round_gain()
+        if last_gain is not None and last_gain < 0:  # the last published round lost where the drafter is used:
+            self.drafter.load_state_dict(self._before_last, strict=False)  # this one trains from the weights before it
         heldout = self.heldout()
         targets = TargetCache()  # before and after share the target's side (recomputed if the update ran between)
         old = self.trainer.evaluate(heldout, targets=targets) if heldout is not None else None
@@ -316,15 +320,23 @@ class OnlineDrafterHook(DrafterHook):
                 last_gain: float | None = None) -> dict[str, float]:
         """Publish into the engine or roll back (main thread) during RL step `step`. Returns drafter/* metrics."""
         publish = stats.steps > 0 and (new is None or should_publish(new, old))
+        # the last published round was judged worse on fresh responses: _train started this one from the weights
+        # before it (snapshot), which the engine gets back if this round is refused
+        reverted = last_gain is not None and last_gain < 0
         if publish:  # with the gain on the held-out slice: closed buckets reopen only where it could pay
             gain = None if old is None or new is None else new["accept_proxy"] / old["accept_proxy"] - 1
+            if reverted and gain is not None:  # over the engine's weights, not the snapshot it trained from
+                gain = (1 + gain) / (1 + last_gain) - 1
             self.spec.load_drafter_state(self.drafter.trainable_state_dict(), gain=gain)
             fault_point("publish", step)
             self.version += 1
         else:
             self.drafter.load_state_dict(snapshot, strict=False)  # refused: keep training from the published one
+            if reverted:
+                self.spec.load_drafter_state(snapshot, gain=1 / (1 + last_gain) - 1)
+                self.version += 1
         out = {"drafter/steps": float(stats.steps), "drafter/published": float(publish),
-               "drafter/train_time_s": seconds}
+               "drafter/reverted": float(reverted), "drafter/train_time_s": seconds}
         if last_gain is not None:  # the last published round, judged on responses to prompts it never saw
             out["drafter/last_round_gain"] = last_gain
             self._round_gain = last_gain
@@ -333,6 +345,8 @@ class OnlineDrafterHook(DrafterHook):
             self._round_gain = None if old is None or new is None else new["accept_proxy"] / old["accept_proxy"] - 1
         else:  # a published round but no fresh responses to judge it by: no verdict, the back-off stays as it is
             self._round_gain = None
+        if reverted and not publish:  # the engine is back on the weights before the judged round: nothing to judge
+            self._before_last = None
         if publish and self.cfg.backoff_max_steps:  # a refused round leaves the published weights, and the judge
             self._before_last = snapshot
         if stats.last is not None:
