@@ -109,8 +109,9 @@ def test_bench_temperature_must_be_positive(capsys):
 
 
 def test_bench_spec_times_only_the_strategies_asked_for(tmp_path, capsys):
-    """--strategies picks what is timed against plain decoding (always timed); a name it does not know, plain
-    itself, or an EAGLE strategy without a drafter is refused before any model loads."""
+    """--strategies picks what is timed against plain decoding (always timed), plain_control (a second plain engine,
+    the machine's noise) only when named; a name it does not know, plain itself, or an EAGLE strategy without a
+    drafter is refused before any model loads."""
     from tlt.bench import spec
     for bad, why in ((["--strategies", "plain"], "plain is always timed"), (["--strategies", "medusa"], "choose from"),
                      (["--no-drafter", "--strategies", "adaptive"], "only ngram runs without a drafter")):
@@ -120,3 +121,4 @@ def test_bench_spec_times_only_the_strategies_asked_for(tmp_path, capsys):
     assert list(spec.strategies("d", 4, wanted=["adaptive"])) == ["plain", "adaptive"]
     assert list(spec.strategies("d", 4, sd_eager=True, wanted=["ngram"])) == ["plain", "ngram", "ngram/sd_eager"]
     assert list(spec.strategies("d", 4)) == ["plain", "ngram", "eagle_chain", "eagle_tree", "adaptive"]  # control
+    assert list(spec.strategies(None, 4, wanted=["plain_control", "ngram"])) == ["plain", "plain_control", "ngram"]

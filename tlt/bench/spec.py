@@ -2,7 +2,7 @@
 
     tlt bench spec [--drafter DIR] [--batch-sizes 1,2,4,8,16,32] [--max-tokens 128] [--repeats 3] [--quick]
                    [--temperature 1.0] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16] [--sd-eager-too]
-                   [--strategies ngram,eagle_chain,eagle_tree,adaptive]
+                   [--strategies ngram,eagle_chain,eagle_tree,adaptive,plain_control]
 
 Strategies: each fixed arm (EAGLE chain, EAGLE tree, n-gram) and the adaptive policy (bandit over the arm table,
 SD gated by batch size). Prompts are the default task's chat prompts; every configuration samples with the same
@@ -28,7 +28,7 @@ def strategies(drafter: str | None, depth: int, sd_eager: bool = False,
     """Each strategy's speculative_config, plain first; sd_eager adds "<name>/sd_eager", the same with the
     speculator's CUDA graphs off (the target's stay on); wanted: only these besides plain (None: all)."""
     s = {name: spec for name, spec in _strategies(drafter, depth).items()
-         if wanted is None or name == "plain" or name in wanted}
+         if name == "plain" or (name in wanted if wanted is not None else name != "plain_control")}
     if sd_eager:
         s.update({f"{name}/sd_eager": spec for name, spec in list(s.items()) if spec is not None})
     return s
@@ -36,6 +36,7 @@ def strategies(drafter: str | None, depth: int, sd_eager: bool = False,
 
 def _strategies(drafter: str | None, depth: int) -> dict[str, dict | None]:
     s: dict[str, dict | None] = {"plain": None,
+                                 "plain_control": None,  # a second plain engine: the machine's noise (opt-in)
                                  "ngram": dict(method="ngram", bs_threshold=None, adaptive=False,
                                                num_speculative_tokens=depth)}
     if drafter:
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also each SD strategy with the speculator's CUDA graphs off (the target's stay on)")
     ap.add_argument("--strategies", default=None,
                     help="comma list of the strategies to time against plain decoding (default: all of "
-                         "ngram, eagle_chain, eagle_tree, adaptive; the EAGLE ones need a drafter)")
+                         "ngram, eagle_chain, eagle_tree, adaptive; the EAGLE ones need a drafter); "
+                         "plain_control, a second plain engine, shows the machine's noise")
     ap.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
     a = ap.parse_args(argv)
     if a.quick:
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         bad = [x for x in wanted if x not in known or x == "plain"]
         if bad or not wanted:
             ap.error(f"--strategies {a.strategies!r}: choose from {', '.join(known[1:])} (plain is always timed)")
-        if a.no_drafter and any(x != "ngram" for x in wanted):
+        if a.no_drafter and any(x not in ("ngram", "plain_control") for x in wanted):
             ap.error(f"--strategies {a.strategies!r} with --no-drafter: only ngram runs without a drafter")
     from tlt.models import load_model, load_tokenizer
     from tlt.models.smollm import default_model_path
