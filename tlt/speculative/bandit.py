@@ -10,10 +10,10 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   deep tree's spike) and the rare long accepts, so it ranks arms by their typical step rather than by the tokens
   per second they actually deliver; the ratio of sums is what a rollout's wall time depends on.
 - Throughput is measured against plain decoding at the step's own batch size: a step at batch size bs that
-  emits `tokens` in `seconds` advances each row tokens / bs; plain decoding takes t_off(bs) a row-token, the "off"
-  arm's seconds over its row-tokens at that batch size in its window (the nearest batch size it ran in the bucket
-  otherwise). An arm's estimate sum(row-tokens * t_off(bs)) / sum(seconds) over its window is a speedup over plain
-  decoding ("off" is exactly 1.0). Raw tokens/s would compare arms measured at different batch sizes of one bucket:
+  emits `tokens` in `seconds` counts tokens / bs * t_off(bs) "plain seconds", t_off(bs) being the "off" arm's mean
+  step time at that batch size over its window (at the nearest batch size it ran in the bucket otherwise). An arm's
+  estimate sum(plain seconds) / sum(seconds) over its window is a speedup over plain decoding ("off" is exactly
+  1.0). Raw tokens/s would compare arms measured at different batch sizes of one bucket:
   at bs 2-4 a decode step costs about the same at either end, so whichever arm happened to run at bs 4 looked
   twice as fast as one that ran at bs 2.
 - t_off is read when an estimate is, not when a step is recorded: every arm is priced at the same, current plain
@@ -27,8 +27,8 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   per-row part. A plain step is worth itself either way; where the cost is proportional to the batch this is the
   price above. At bs 2 on a 2-core CPU a plain step costs the same as at bs 1: a chain step gave the rows 1.57
   tokens on average but the critical row 1.28 (the row behind is behind because it accepts less), so priced by
-  the average it looked 1.06x and took 65% of the steps, while the rollout ran 0.80-0.88x of plain decoding's
-  time, its lagging row finishing alone at bs 1. Where a request waits, a finished row's slot is refilled and
+  the average it looked 1.06x and took up to 65% of the steps, while `tlt bench spec` at bs 2 ran 0.72-0.83x of
+  plain decoding's speed, the lagging row finishing alone at bs 1. Where a request waits, a finished row's slot is refilled and
   every token counts alike. Rows that stop at EOS before their limit make the critical row a guess: the row
   furthest from its limit.
 - "off" is kept unless an SD arm beats it by `min_gain` (a tie costs SD's variance for nothing).
