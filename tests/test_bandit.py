@@ -315,6 +315,27 @@ def test_a_steps_cost_splits_into_a_fixed_part_and_a_part_per_row():
     assert bandit.plain_seconds(1, 3, critical=3) == pytest.approx(0.030)
 
 
+def test_the_fixed_part_is_read_at_bs_1_only_and_follows_it():
+    """The fixed part of a step's cost is "off"'s step time at bs 1 exactly: where bs 1 shares a bucket with bs 2-4
+    and "off" ran only at bs 2, the cost is taken as proportional to the batch (not bs 2's step as a fixed part,
+    which would price the other rows' tokens at nothing). A new bs-1 "off" step reprices the steps of every bucket
+    (the estimate cached in bucket bs 2-4 moves with it). A bucket takes one "off" arm."""
+    chain = Arm("chain2", "eagle_chain", 2, 1, 2)
+    shared = StrategyBandit([4, math.inf], [[OFF, chain], [OFF]], epsilon=0.0)
+    shared.update(2, OFF, 2, 0.012, 1)
+    assert shared.plain_seconds(2, 4, critical=1) == pytest.approx(4 / 2 * 0.012)
+    split = StrategyBandit([1, 4, math.inf], [[OFF], [OFF, chain], [OFF]], epsilon=0.0, close=False)
+    split.update(1, OFF, 1, 0.010)
+    split.update(2, OFF, 2, 0.012, 1)
+    split.update(2, chain, 3, 0.020, 1)  # critical row 1 token, the other 2
+    assert split.estimate(1, "chain2") == pytest.approx((0.010 + 2 * 0.002) / 0.020)
+    for _ in range(3):
+        split.update(1, OFF, 1, 0.004)  # bs 1 now 5.5 ms on average: fixed 5.5 ms, per row 6.5 ms
+    assert split.estimate(1, "chain2") == pytest.approx((0.0055 + 2 * 0.0065) / 0.020)
+    with pytest.raises(ValueError, match="one \"off\" arm"):
+        StrategyBandit([math.inf], [[OFF, Arm("plain", "off"), chain]])
+
+
 def test_plain_seconds_prices_sd_tokens_at_plain_decodings_step_time():
     """What plain decoding would take for an SD step's tokens: tokens / bs * t_off(bs), from the measured "off"
     steps of the bucket (the nearest batch size measured); None before any, so no SD step is priced by a guess."""

@@ -413,7 +413,8 @@ def test_a_round_judged_worse_on_fresh_responses_is_undone(tiny_llama_dir, tmp_p
         """Two steps; scores by weights (0: the start, 1: round 1's, 2: round 2's) on the own step's held-out slice
         and on the next step's fresh responses. Returns round 2's metrics, the hook, each weights' fc and the
         engine's fc after round 2."""
-        llm = tlt.LLM(tiny_llama_dir, dtype="float32", speculative_config={"method": "eagle", "model": str(drafter_dir)})
+        llm = tlt.LLM(tiny_llama_dir, dtype="float32",
+                      speculative_config={"method": "eagle", "model": str(drafter_dir)})
         cfg = DrafterTrainConfig(min_buffer_tokens=0, batch_tokens=64, window_len=16, holdout_fraction=0.25,
                                  compare_drafters=False, backoff_max_steps=8)
         hook = OnlineDrafterHook(cfg, llm.spec)
@@ -429,6 +430,8 @@ def test_a_round_judged_worse_on_fresh_responses_is_undone(tiny_llama_dir, tmp_p
             score = (fresh_scores if fresh else heldout_scores)[index]
             return {"acc": score / 3, "accept_proxy": score}  # the publish gate reads acc
         hook.trainer.evaluate = evaluate
+        gains, load = [], llm.spec.load_drafter_state
+        llm.spec.load_drafter_state = lambda state, gain=None: (gains.append(gain), load(state, gain=gain))
         metrics = []
         for step in (1, 2):
             hook.before_rollout(step)
@@ -437,17 +440,23 @@ def test_a_round_judged_worse_on_fresh_responses_is_undone(tiny_llama_dir, tmp_p
             hook.rollout_done(step)
             metrics.append(hook.after_rollout(step, None, outs))
         assert metrics[0]["drafter/published"] == 1 and len(seen) == 3
-        return metrics[1], hook, seen, llm.spec.drafter.fc.weight.detach()
+        assert gains[0] == pytest.approx(heldout_scores[1] / heldout_scores[0] - 1)  # round 1 over the start
+        return metrics[1], hook, seen, llm.spec.drafter.fc.weight.detach(), gains[1:]
 
-    m, hook, seen, engine = run({0: 1.5, 1: 1.65, 2: 1.4}, {0: 1.5, 1: 1.3})  # round 1 loses on fresh responses
+    # the gains handed to the bandit stay measured one way (each round's own slice): an undo divides out the undone
+    # round's 10%
+    m, hook, seen, engine, gains = run({0: 1.5, 1: 1.65, 2: 1.4}, {0: 1.5, 1: 1.3})  # round 1 loses on fresh ones
     assert m["drafter/reverted"] == 1 and m["drafter/published"] == 0 and m["drafter/last_round_gain"] < 0
     assert torch.equal(engine, seen[0]) and hook._before_last is None  # round 2 refused: the start's weights again
-    m, hook, seen, engine = run({0: 1.5, 1: 1.65, 2: 1.6}, {0: 1.5, 1: 1.3})
+    assert gains == [pytest.approx(1 / 1.1 - 1)]
+    m, hook, seen, engine, gains = run({0: 1.5, 1: 1.65, 2: 1.6}, {0: 1.5, 1: 1.3})
     assert m["drafter/reverted"] == 1 and m["drafter/published"] == 1 and torch.equal(engine, seen[2])
     assert torch.equal(hook._before_last["fc.weight"], seen[0])  # round 2 trained from the start's weights
-    m, hook, seen, engine = run({0: 1.5, 1: 1.65, 2: 1.8}, {0: 1.5, 1: 1.6})  # control: round 1 gains on fresh
+    assert gains == [pytest.approx((1.6 / 1.5) / 1.1 - 1)]
+    m, hook, seen, engine, gains = run({0: 1.5, 1: 1.65, 2: 1.8}, {0: 1.5, 1: 1.6})  # control: round 1 gains there
     assert m["drafter/reverted"] == 0 and m["drafter/published"] == 1 and torch.equal(engine, seen[2])
     assert torch.equal(hook._before_last["fc.weight"], seen[1])  # round 2 trained on from round 1's weights
+    assert gains == [pytest.approx(1.8 / 1.65 - 1)]
 
 
 def test_training_steps_with_a_draft_vocabulary_need_only_its_rows(target, buffer, monkeypatch):

@@ -45,7 +45,8 @@ refused (drafter/reverted; docs/design.md §5, "Publishing"). A skipped turn dro
 next round trains one pass over what arrived after it, and the skipped steps' data stays in the buffer, where later
 rounds sample it (docs/design.md §5). With spot the cost leaves out what the round's thread took from the rollout it
 ran beside (5-15% on a 2-core CPU), so spot rounds back off only where the drafter is worth nothing. The gain a
-publish hands the bandit is the round's own slice's, which errs toward reopening.
+publish hands the bandit is the round's own slice's, which errs toward reopening (after an undo, over the weights
+the engine had: the undone round's own gain divided out).
 
 The hook's checkpoint state is the published drafter weights, the optimiser, the sampling generator, the
 counters and the buffer (its hidden states too: a resumed run must train on what the uninterrupted one would, to
@@ -115,6 +116,7 @@ class OnlineDrafterHook(DrafterHook):
         self.round_cost = 0.0  # seconds the latest round added to its step (the back-off's price of a round)
         self._round_gain: float | None = None  # set by _finish: the verdict on a round (its accept-length gain)
         self._before_last: dict[str, torch.Tensor] | None = None  # the weights the last published round started from
+        self._published_gain: float | None = None  # the gain handed to the engine with the last publish
         self._fresh: tuple[PackedBatch, TargetCache] | None = None  # fresh_batch(), shared within a step
 
     # ---- the hook ----------------------------------------------------------------------------------------
@@ -156,7 +158,8 @@ class OnlineDrafterHook(DrafterHook):
         self._yield_s = time.perf_counter() - t0
 
     def after_rollout(self, step: int, rollout: Any, outputs: list[RequestOutput]) -> dict[str, float]:
-        metrics = {"drafter/steps": 0.0, "drafter/train_time_s": 0.0, "drafter/published": 0.0}
+        metrics = {"drafter/steps": 0.0, "drafter/train_time_s": 0.0, "drafter/published": 0.0,
+                   "drafter/reverted": 0.0}
         self._may_run.set()
         self._round_gain = None
         if self._pending is not None:  # the spot round that ran alongside this rollout: publish it now
@@ -323,18 +326,20 @@ class OnlineDrafterHook(DrafterHook):
         # the last published round was judged worse on fresh responses: _train started this one from the weights
         # before it (snapshot), which the engine gets back if this round is refused
         reverted = last_gain is not None and last_gain < 0
+        # the gain the bandit was handed for the engine's weights over the snapshot's (the undone round's), so that
+        # the gains it multiplies up stay measured one way: each round's own held-out slice
+        credited = self._published_gain if reverted else 0.0
         if publish:  # with the gain on the held-out slice: closed buckets reopen only where it could pay
             gain = None if old is None or new is None else new["accept_proxy"] / old["accept_proxy"] - 1
-            if reverted and gain is not None:  # over the engine's weights, not the snapshot it trained from
-                gain = (1 + gain) / (1 + last_gain) - 1
-            self.spec.load_drafter_state(self.drafter.trainable_state_dict(), gain=gain)
-            fault_point("publish", step)
-            self.version += 1
+            if gain is not None and credited is not None:  # over the engine's weights, not the snapshot's
+                gain = (1 + gain) / (1 + credited) - 1
+            elif credited is None:
+                gain = None
+            self._publish(step, self.drafter.trainable_state_dict(), gain)
         else:
             self.drafter.load_state_dict(snapshot, strict=False)  # refused: keep training from the published one
-            if reverted:
-                self.spec.load_drafter_state(snapshot, gain=1 / (1 + last_gain) - 1)
-                self.version += 1
+            if reverted:  # the engine goes back to the weights before the undone round
+                self._publish(step, snapshot, None if credited is None else 1 / (1 + credited) - 1)
         out = {"drafter/steps": float(stats.steps), "drafter/published": float(publish),
                "drafter/reverted": float(reverted), "drafter/train_time_s": seconds}
         if last_gain is not None:  # the last published round, judged on responses to prompts it never saw
@@ -356,6 +361,13 @@ class OnlineDrafterHook(DrafterHook):
                                 "drafter/eval_acc_old": old["acc"], "drafter/accept_proxy_old": old["accept_proxy"]}
         return out
 
+    def _publish(self, step: int, state: dict[str, torch.Tensor], gain: float | None) -> None:
+        """Into the engine (main thread), with its gain in accept length over the weights there (None: unknown)."""
+        self.spec.load_drafter_state(state, gain=gain)
+        fault_point("publish", step)
+        self.version += 1
+        self._published_gain = gain
+
     def heldout(self) -> PackedBatch | None:
         return self.buffer.heldout_batch(self.cfg.batch_tokens, HELDOUT_BATCHES * self.cfg.batch_tokens)
 
@@ -368,6 +380,7 @@ class OnlineDrafterHook(DrafterHook):
                 "drafter_steps": self.trainer.total_steps, "generator": self.trainer.generator.get_state(),
                 "last_train": dict(self.last_train), "new_tokens": self.new_tokens, "last_step": self.last_step,
                 "backoff": [self.backoff_gap, self.skip_left], "round_cost": self.round_cost,
+                "published_gain": self._published_gain,
                 "before_last": None if self._before_last is None else {k: v.detach().to("cpu", copy=True) for k, v
                                                                        in self._before_last.items()},
                 "buffer": self.buffer.state_dict() if self.save_buffer else None,
@@ -396,6 +409,7 @@ class OnlineDrafterHook(DrafterHook):
         cap = self.cfg.backoff_max_steps
         self.backoff_gap, self.skip_left = (min(int(v), cap) for v in state.get("backoff", [0, 0]))
         self.round_cost = float(state.get("round_cost", 0.0))
+        self._published_gain = state.get("published_gain")
         before = state.get("before_last")
         self._before_last = None if before is None else {k: v.to(self.drafter.fc.weight.device) for k, v in
                                                          before.items()}

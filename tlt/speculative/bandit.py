@@ -9,28 +9,27 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   rewards. The median ignores the rare expensive steps (a drafter catch-up after a stretch of plain decoding, a
   deep tree's spike) and the rare long accepts, so it ranks arms by their typical step rather than by the tokens
   per second they actually deliver; the ratio of sums is what a rollout's wall time depends on.
-- Throughput is measured against plain decoding at the step's own batch size: a step at batch size bs that
-  emits `tokens` in `seconds` counts tokens / bs * t_off(bs) "plain seconds", t_off(bs) being the "off" arm's mean
-  step time at that batch size over its window (at the nearest batch size it ran in the bucket otherwise). An arm's
-  estimate sum(plain seconds) / sum(seconds) over its window is a speedup over plain decoding ("off" is exactly
-  1.0). Raw tokens/s would compare arms measured at different batch sizes of one bucket:
-  at bs 2-4 a decode step costs about the same at either end, so whichever arm happened to run at bs 4 looked
+- Throughput is measured against plain decoding at the step's own batch size: a step at batch size bs that emits
+  `tokens` in `seconds` counts tokens / bs * t_off(bs) "plain seconds", t_off(bs) being the "off" arm's mean step time
+  at that batch size over its window (at the nearest batch size it ran in the bucket otherwise). An arm's estimate
+  sum(plain seconds) / sum(seconds) over its window is a speedup over plain decoding ("off" is 1.0, up to rounding, as
+  a plain step emits one token a row). Raw tokens/s would compare arms measured at different batch sizes of one
+  bucket: at bs 2-4 a decode step costs about the same at either end, so whichever arm happened to run at bs 4 looked
   twice as fast as one that ran at bs 2.
 - t_off is read when an estimate is, not when a step is recorded: every arm is priced at the same, current plain
   step time. Priced at record time, an SD step kept the t_off of its moment for its whole window: at bs 2 on a
   2-core CPU the first plain steps of a process ran 13-16 ms and the later ones 10-11 ms, so a chain at 0.87x of
   plain decoding was recorded at 1.01x against "off"'s 0.94x and held 65% of the steps for hundreds of steps.
-- Where no request waits for a slot, the batch can only shrink, and its rollout ends when the row with the most
-  tokens left to its limit does (the critical row). Then a step's tokens are worth what they save of that: a
-  plain step's cost t_off(bs) splits into a fixed part, min(t_off(1), t_off(bs)) (the weights read once a step),
-  and (bs - 1) equal parts per row; the critical row's tokens are priced at the fixed part, the others' at the
-  per-row part. A plain step is worth itself either way; where the cost is proportional to the batch this is the
-  price above. At bs 2 on a 2-core CPU a plain step costs the same as at bs 1: a chain step gave the rows 1.57
-  tokens on average but the critical row 1.28 (the row behind is behind because it accepts less), so priced by
-  the average it looked 1.06x and took up to 65% of the steps, while `tlt bench spec` at bs 2 ran 0.72-0.83x of
-  plain decoding's speed, the lagging row finishing alone at bs 1. Where a request waits, a finished row's slot is refilled and
-  every token counts alike. Rows that stop at EOS before their limit make the critical row a guess: the row
-  furthest from its limit.
+- Where no request waits for a slot, the batch can only shrink, and its rollout ends when the row with the most tokens
+  left to its limit does (the critical row). Then a step's tokens are worth what they save of that: a plain step's
+  cost t_off(bs) splits into a fixed part, min(t_off(1), t_off(bs)) (the weights read once a step), and (bs - 1) equal
+  parts per row; the critical row's tokens are priced at the fixed part, the others' at the per-row part. A plain step
+  is worth itself either way; where the cost is proportional to the batch this is the price above. At bs 2 on a 2-core
+  CPU a plain step costs the same as at bs 1: a chain step gave the rows 1.57 tokens on average but the critical row
+  1.28 (the row behind is behind because it accepts less), so priced by the average it looked 1.06x and took up to 65%
+  of the steps, while `tlt bench spec` at bs 2 ran 0.72-0.83x of plain decoding's speed, the lagging row finishing
+  alone at bs 1. Where a request waits, a finished row's slot is refilled and every token counts alike. Rows that stop
+  at EOS before their limit make the critical row a guess: the row furthest from its limit.
 - "off" is kept unless an SD arm beats it by `min_gain` (a tie costs SD's variance for nothing).
 - An arm is untried until a step of it is recorded, and an SD step is recorded only once its bucket has an "off"
   step to measure it against. The caller leaves out steps that captured a CUDA graph (tlt.speculative.spec_decoder):
@@ -182,7 +181,7 @@ class _Window:
 
     def plain_seconds(self, price) -> float:
         """Plain decoding's seconds for these steps' tokens, price(key, tokens, critical tokens) per key."""
-        return sum(price(key, tokens, critical) for key, (_, tokens, critical, _) in self.by_key.items())
+        return sum(price(key, tokens, critical) for key, (_, tokens, critical, _) in self.by_key.items() if tokens)
 
 
 class StrategyBandit:
@@ -200,6 +199,8 @@ class StrategyBandit:
             names = [a.name for a in bucket]
             if not bucket or len(set(names)) != len(names):
                 raise ValueError(f"bucket {b}: needs at least one arm and unique arm names, got {names}")
+            if sum(a.method == "off" for a in bucket) > 1:
+                raise ValueError(f"bucket {b}: at most one \"off\" arm (plain decoding), got {names}")
         self.bounds, self.arms = list(bucket_bounds), [list(a) for a in arms]
         self.epsilon, self.window = epsilon, window
         self.min_gain, self.margin, self.min_samples, self.recheck = min_gain, margin, min_samples, recheck
@@ -258,7 +259,7 @@ class StrategyBandit:
         An SD step before any "off" step of its bucket is not recorded (nothing to measure it against yet)."""
         b = self.bucket(batch_size)
         off = self.off[b]
-        if arm is not off and off is not None and not self.steps[b][off.name]:
+        if arm.method != "off" and off is not None and not self.steps[b][off.name]:
             return
         key = (batch_size, critical is not None)
         critical = 0.0 if critical is None else float(critical)
@@ -290,10 +291,15 @@ class StrategyBandit:
     def _changed(self, b: int, arm: Arm) -> None:
         """Arm's window in bucket b changed: drop the estimates that read it. A new "off" step reprices the bucket's
         steps, and every bucket's where it ran at the batch size of one (the fixed part of a step's cost)."""
-        if arm is self.off[b]:
-            self._costs.clear()
-            for est in (self._estimates if b == self.bucket(1) else [self._estimates[b]]):
-                est.clear()
+        if arm.method == "off":
+            if b == self.bucket(1):
+                self._costs.clear()
+                for est in self._estimates:
+                    est.clear()
+            else:
+                for bs in [k for k in self._costs if self.bucket(k) == b]:
+                    del self._costs[bs]
+                self._estimates[b].clear()
         else:
             self._estimates[b].pop(arm.name, None)
 
@@ -301,7 +307,7 @@ class StrategyBandit:
         """Close the bucket once SD has lost time there (ledger < 0) and the evidence says it will go on losing: an
         SD step since the bucket (re)opened (a new drafter gets its try), "off" the greedy choice, and every SD arm
         with `min_samples` steps or below `far` times "off"."""
-        if not self.close or self.closed[b] or not self.sd_since_open[b] or self.ledger_seconds(b) >= 0:
+        if not self.close or self.closed[b] or not self.sd_since_open[b]:
             return
         best = self._best(b)
         if best.method != "off":
@@ -309,7 +315,7 @@ class StrategyBandit:
         off = self.estimate(b, best.name)
         self.closed[b] = all(len(self.steps[b][a.name]) >= self.min_samples
                              or (self.steps[b][a.name] and self.estimate(b, a.name) < self.far * off)
-                             for a in self.arms[b] if a.method != "off")
+                             for a in self.arms[b] if a.method != "off") and self.ledger_seconds(b) < 0
 
     def capturing(self, batch_size: int) -> bool:
         """Whether steps at this batch size should keep hidden states for the drafter (no: its bucket is closed)."""
@@ -373,11 +379,11 @@ class StrategyBandit:
     def _plain_costs(self, batch_size: int) -> tuple[float, float, float]:
         """(t_off(bs), fixed, per row): plain decoding's step time at this batch size, over "off"'s window in its
         bucket (at the nearest batch size it ran at there; 1.0 where none: estimates are then tokens a row per
-        second), split as fixed + (bs - 1) * per row, fixed = min(t_off(1), t_off(bs)). Without a step at the batch
-        size of one, fixed = per row = t_off(bs) / bs (cost proportional to the batch)."""
+        second), split as fixed + (bs - 1) * per row, fixed = min(t_off(1), t_off(bs)). Without an "off" step at the
+        batch size of one in its window, fixed = per row = t_off(bs) / bs (cost proportional to the batch)."""
         if batch_size not in self._costs:
             step = self._plain_step_s(batch_size)
-            one = self._plain_step_s(1) if batch_size > 1 else step
+            one = self._plain_step_s(1, exact=True) if batch_size > 1 else step
             if step is None:
                 costs = (1.0, 1.0 / batch_size, 1.0 / batch_size)
             elif one is None:
@@ -388,13 +394,14 @@ class StrategyBandit:
             self._costs[batch_size] = costs
         return self._costs[batch_size]
 
-    def _plain_step_s(self, batch_size: int) -> float | None:
-        """Mean "off" step time at this batch size in its bucket's window, else at the nearest batch size there."""
+    def _plain_step_s(self, batch_size: int, exact: bool = False) -> float | None:
+        """Mean "off" step time at this batch size in its bucket's window, else (unless exact) at the nearest batch
+        size there; None without one."""
         b = self.bucket(batch_size)
         off = self.off[b]
-        if off is None or not self.steps[b][off.name]:
+        per_bs = self.steps[b][off.name].by_bs if off is not None else {}
+        if batch_size not in per_bs and (exact or not per_bs):
             return None
-        per_bs = self.steps[b][off.name].by_bs
         n, seconds = per_bs[batch_size if batch_size in per_bs else
                             min(per_bs, key=lambda k: (abs(k - batch_size), k))]
         return seconds / n
