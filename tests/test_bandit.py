@@ -246,7 +246,7 @@ def test_sd_steps_are_priced_at_the_current_plain_step_time():
     negative and the bucket closes. Priced when recorded (the control: the chain's estimate would not move with
     "off" steps), it kept its 1.08x for its whole window."""
     chain = Arm("chain2", "eagle_chain", 2, 1, 2)
-    bandit = _one_bucket([OFF, chain], epsilon=0.0, min_samples=5)
+    bandit = _one_bucket([OFF, chain], epsilon=0.0, min_samples=5, reprice_every=1)
     for _ in range(3):
         bandit.update(2, OFF, 2, 0.014)
     for _ in range(50):
@@ -262,13 +262,25 @@ def test_sd_steps_are_priced_at_the_current_plain_step_time():
     assert bandit.estimate(0, "off") == pytest.approx(1.0) and bandit.best(2) is OFF
     assert bandit.ledger_seconds(0) == pytest.approx(50 * (1.575 * t_off - 0.0205)) and 1.575 * t_off < 0.0205
     assert bandit.closed_buckets() == ["bs>=1"]
+    # by default the prices are read again every 16 "off" steps (and at the first), not at every one: an estimate
+    # costs O(1) a step, and a window of 300 steps is never priced more than 16 "off" steps late
+    default = _one_bucket([OFF, chain], epsilon=0.0, min_samples=5)
+    for _ in range(3):
+        default.update(2, OFF, 2, 0.014)
+    for _ in range(50):
+        default.update(2, chain, 3.15, 0.0205)
+    for _ in range(13):
+        default.update(2, OFF, 2, 0.011)
+    assert default.estimate(0, "chain2") == pytest.approx(before)  # 15 "off" steps since the first's prices
+    default.update(2, OFF, 2, 0.011)
+    assert default.estimate(0, "chain2") == pytest.approx(1.575 * (3 * 0.014 + 14 * 0.011) / 17 / 0.0205)
 
 
 def test_off_is_one_at_every_mix_of_batch_sizes():
     """"off" prices its own steps at its own per-batch-size row-token times: exactly 1.0 whatever batch sizes it ran
     at and however they differ; an SD arm at a batch size "off" never ran is priced at the nearest one."""
     chain = Arm("chain2", "eagle_chain", 2, 1, 2)
-    bandit = StrategyBandit([4, math.inf], [[OFF, chain], [OFF]], epsilon=0.0)
+    bandit = StrategyBandit([4, math.inf], [[OFF, chain], [OFF]], epsilon=0.0, reprice_every=1)
     for bs, s in ((2, 0.010), (3, 0.012), (2, 0.011), (4, 0.020)):
         bandit.update(bs, OFF, bs, s)
     assert bandit.estimate(0, "off") == pytest.approx(1.0)
@@ -324,7 +336,8 @@ def test_the_fixed_part_is_read_at_bs_1_only_and_follows_it():
     shared = StrategyBandit([4, math.inf], [[OFF, chain], [OFF]], epsilon=0.0)
     shared.update(2, OFF, 2, 0.012, 1)
     assert shared.plain_seconds(2, 4, critical=1) == pytest.approx(4 / 2 * 0.012)
-    split = StrategyBandit([1, 4, math.inf], [[OFF], [OFF, chain], [OFF]], epsilon=0.0, close=False)
+    split = StrategyBandit([1, 4, math.inf], [[OFF], [OFF, chain], [OFF]], epsilon=0.0, close=False,
+                           reprice_every=1)
     split.update(1, OFF, 1, 0.010)
     split.update(2, OFF, 2, 0.012, 1)
     split.update(2, chain, 3, 0.020, 1)  # critical row 1 token, the other 2

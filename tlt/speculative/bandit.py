@@ -12,14 +12,17 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
 - Throughput is measured against plain decoding at the step's own batch size: a step at batch size bs that emits
   `tokens` in `seconds` counts tokens / bs * t_off(bs) "plain seconds", t_off(bs) being the "off" arm's mean step time
   at that batch size over its window (at the nearest batch size it ran in the bucket otherwise). An arm's estimate
-  sum(plain seconds) / sum(seconds) over its window is a speedup over plain decoding ("off" is 1.0, up to rounding, as
-  a plain step emits one token a row). Raw tokens/s would compare arms measured at different batch sizes of one
+  sum(plain seconds) / sum(seconds) over its window is a speedup over plain decoding ("off" is about 1.0: a plain step
+  emits one token a row, priced at "off"'s recent mean). Raw tokens/s would compare arms measured at different batch sizes of one
   bucket: at bs 2-4 a decode step costs about the same at either end, so whichever arm happened to run at bs 4 looked
   twice as fast as one that ran at bs 2.
-- t_off is read when an estimate is, not when a step is recorded: every arm is priced at the same, current plain
-  step time. Priced at record time, an SD step kept the t_off of its moment for its whole window: at bs 2 on a
-  2-core CPU the first plain steps of a process ran 13-16 ms and the later ones 10-11 ms, so a chain at 0.87x of
-  plain decoding was recorded at 1.01x against "off"'s 0.94x and held 65% of the steps for hundreds of steps.
+- Every arm is priced at the same, recent plain step time: a bucket's windows are priced again at "off"'s current
+  step times at its first "off" step and every `reprice_every` (16) after (every bucket's, for an "off" step at bs 1,
+  the fixed part below), not frozen at the time known when each step was recorded. Frozen, an SD step kept the
+  t_off of its moment for its whole window: at bs 2 on a 2-core CPU the first plain steps of a process ran 13-16 ms
+  and the later ones 10-11 ms, so a chain at 0.87x of plain decoding was recorded at 1.01x against "off"'s 0.94x and
+  held 65% of the steps for hundreds of steps. Repricing at every "off" step instead cost O(batch sizes in the
+  window) a step: about 250 us a step at bs 21-200 with the GPU table, against 30 us now.
 - Where no request waits for a slot, the batch can only shrink, and its rollout ends when the row with the most tokens
   left to its limit does (the critical row). Then a step's tokens are worth what they save of that: a plain step's
   cost t_off(bs) splits into a fixed part, min(t_off(1), t_off(bs)) (the weights read once a step), and (bs - 1) equal
@@ -122,7 +125,8 @@ def default_arm_table(device: str = "cpu") -> tuple[list[float], list[list[Arm]]
 class _Window:
     """The last `maxlen` steps as [key, tokens, critical tokens, seconds], key = (batch size, whether the step is
     valued by its critical row), with running sums per key ([steps, tokens, critical tokens, seconds]), per batch
-    size ([steps, seconds]) and of all seconds: an estimate reads O(keys), not O(steps)."""
+    size ([steps, seconds]), of all seconds, and of the steps' plain seconds at the bandit's current prices
+    (`price(key, tokens, critical)`, passed in; `reprice` when they change): an estimate reads O(1)."""
 
     def __init__(self, maxlen: int):
         self.entries: deque[list] = deque()
@@ -130,13 +134,14 @@ class _Window:
         self.by_key: dict[tuple[int, bool], list[float]] = {}
         self.by_bs: dict[int, list[float]] = {}
         self.seconds = 0.0
+        self.plain = 0.0
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def add(self, key: tuple[int, bool], tokens: float, critical: float, seconds: float) -> None:
+    def add(self, key: tuple[int, bool], tokens: float, critical: float, seconds: float, price) -> None:
         if len(self.entries) == self.maxlen:
-            self.drop_oldest()
+            self.drop_oldest(price)
         self.entries.append([key, tokens, critical, seconds])
         sums = self.by_key.setdefault(key, [0, 0.0, 0.0, 0.0])
         sums[0] += 1
@@ -147,6 +152,8 @@ class _Window:
         per_bs[0] += 1
         per_bs[1] += seconds
         self.seconds += seconds
+        if tokens:
+            self.plain += price(key, tokens, critical)
 
     def add_seconds(self, seconds: float) -> None:
         """Add seconds to the newest step (a cost booked after it)."""
@@ -156,7 +163,7 @@ class _Window:
         self.by_bs[entry[0][0]][1] += seconds
         self.seconds += seconds
 
-    def drop_oldest(self) -> None:
+    def drop_oldest(self, price) -> None:
         key, tokens, critical, seconds = self.entries.popleft()
         sums = self.by_key[key]
         sums[0] -= 1
@@ -170,25 +177,28 @@ class _Window:
         per_bs[1] -= seconds
         if not per_bs[0]:
             del self.by_bs[key[0]]
-        self.seconds = self.seconds - seconds if self.entries else 0.0
+        if not self.entries:
+            self.seconds = self.plain = 0.0
+            return
+        self.seconds -= seconds
+        if tokens:
+            self.plain -= price(key, tokens, critical)
 
-    def keep_last(self, n: int) -> None:
+    def keep_last(self, n: int, price) -> None:
         while len(self.entries) > n:
-            self.drop_oldest()
+            self.drop_oldest(price)
 
-    def clear(self) -> None:
-        self.keep_last(0)
-
-    def plain_seconds(self, price) -> float:
-        """Plain decoding's seconds for these steps' tokens, price(key, tokens, critical tokens) per key."""
-        return sum(price(key, tokens, critical) for key, (_, tokens, critical, _) in self.by_key.items() if tokens)
+    def reprice(self, price) -> None:
+        """The plain seconds of the steps in the window at new prices, from the per-key sums: O(keys)."""
+        self.plain = sum(price(key, tokens, critical) for key, (_, tokens, critical, _) in self.by_key.items()
+                         if tokens)
 
 
 class StrategyBandit:
     def __init__(self, bucket_bounds: Sequence[float] | None = None, arms: Sequence[Sequence[Arm]] | None = None,
                  epsilon: float = 0.1, window: int = 300, seed: int = 0, min_gain: float = 0.03,
                  margin: float = 0.15, min_samples: int = 5, recheck: float = 0.1, far: float = 0.5,
-                 close: bool = True):
+                 close: bool = True, reprice_every: int = 16):
         if bucket_bounds is None and arms is None:
             bucket_bounds, arms = default_arm_table("cpu")
         if bucket_bounds is None or arms is None or len(bucket_bounds) != len(arms):
@@ -204,14 +214,16 @@ class StrategyBandit:
         self.bounds, self.arms = list(bucket_bounds), [list(a) for a in arms]
         self.epsilon, self.window = epsilon, window
         self.min_gain, self.margin, self.min_samples, self.recheck = min_gain, margin, min_samples, recheck
-        self.far, self.close = far, close
+        self.far, self.close, self.reprice_every = far, close, reprice_every
         self.rng = random.Random(seed)
         # per bucket and arm: its last `window` steps (select() runs every SD decode step: estimates read sums)
         self.steps = [{a.name: _Window(window) for a in bucket} for bucket in self.arms]
         self.off = [next((a for a in bucket if a.method == "off"), None) for bucket in self.arms]
-        # plain decoding's step costs by batch size (_plain_costs), and per bucket the estimates, as of the last change
-        self._costs: dict[int, tuple[float, float, float]] = {}
-        self._estimates: list[dict[str, float]] = [{} for _ in self.arms]
+        # per bucket: plain decoding's step costs by batch size (_plain_costs) as of the last repricing, the "off"
+        # steps since, and the price function its windows are summed with
+        self._costs: list[dict[int, tuple[float, float, float]]] = [{} for _ in self.arms]
+        self._off_since_reprice = [0 for _ in self.arms]
+        self._prices = [self._price_in(b) for b in range(len(self.arms))]
         self.counts = [Counter() for _ in self.arms]   # choices per bucket and arm
         self.since_forget = [0 for _ in self.arms]     # choices per bucket since the last forget (decays epsilon)
         # per bucket, the ledger of the last `window` steps: the tokens and seconds of its SD steps ("off" steps
@@ -263,14 +275,17 @@ class StrategyBandit:
             return
         key = (batch_size, critical is not None)
         critical = 0.0 if critical is None else float(critical)
-        self.steps[b][arm.name].add(key, float(tokens), critical, float(seconds))
-        self._changed(b, arm)
+        price = self._prices[b]
+        self.steps[b][arm.name].add(key, float(tokens), critical, float(seconds), price)
         sd = arm.method != "off"
         self.sd_since_open[b] += sd
         if sd:
-            self.ledger[b].add(key, float(tokens), critical, float(seconds))
+            self.ledger[b].add(key, float(tokens), critical, float(seconds), price)
         else:
-            self.ledger[b].add(key, 0.0, 0.0, 0.0)
+            self.ledger[b].add(key, 0.0, 0.0, 0.0, price)
+            self._off_since_reprice[b] += 1
+            if self._off_since_reprice[b] >= self.reprice_every or len(self.steps[b][arm.name]) == 1:
+                self._reprice(b)
         self._update_closed(b)
 
     def charge(self, batch_size: int, seconds: float) -> None:
@@ -280,28 +295,23 @@ class StrategyBandit:
         if self.ledger[b]:
             self.ledger[b].add_seconds(seconds)
         else:
-            self.ledger[b].add((batch_size, False), 0.0, 0.0, seconds)
+            self.ledger[b].add((batch_size, False), 0.0, 0.0, seconds, self._prices[b])
         self._update_closed(b)
 
     def ledger_seconds(self, b: int) -> float:
         """Bucket b's ledger over its last `window` steps: the seconds its SD steps saved against plain decoding
-        (priced at the current t_off, as the estimates are), less their own and the seconds charged."""
-        return self.ledger[b].plain_seconds(self._price) - self.ledger[b].seconds
+        (priced as the estimates are), less their own and the seconds charged."""
+        return self.ledger[b].plain - self.ledger[b].seconds
 
-    def _changed(self, b: int, arm: Arm) -> None:
-        """Arm's window in bucket b changed: drop the estimates that read it. A new "off" step reprices the bucket's
-        steps, and every bucket's where it ran at the batch size of one (the fixed part of a step's cost)."""
-        if arm.method == "off":
-            if b == self.bucket(1):
-                self._costs.clear()
-                for est in self._estimates:
-                    est.clear()
-            else:
-                for bs in [k for k in self._costs if self.bucket(k) == b]:
-                    del self._costs[bs]
-                self._estimates[b].clear()
-        else:
-            self._estimates[b].pop(arm.name, None)
+    def _reprice(self, b: int) -> None:
+        """Price bucket b's windows at "off"'s current step times (every bucket's after an "off" step at the batch
+        size of one, whose time is every step's fixed part): every `reprice_every` "off" steps of the bucket, and at
+        its first. Between, steps are priced at the same prices, so each window's sum stays consistent."""
+        for c in (range(len(self.arms)) if b == self.bucket(1) else [b]):
+            self._costs[c] = {}
+            self._off_since_reprice[c] = 0
+            for window in (*self.steps[c].values(), self.ledger[c]):
+                window.reprice(self._prices[c])
 
     def _update_closed(self, b: int) -> None:
         """Close the bucket once SD has lost time there (ledger < 0) and the evidence says it will go on losing: an
@@ -341,11 +351,10 @@ class StrategyBandit:
             self.since_forget[b] = 0
             self.closed[b], self.closed_gain[b] = False, 1.0  # the new drafter gets its chance; the ledger restarts
             self.sd_since_open[b] = 0
-            self.ledger[b].clear()
+            self.ledger[b].keep_last(0, self._prices[b])
             for a in bucket:
                 if a.method in methods:
-                    self.steps[b][a.name].keep_last(keep)
-            self._estimates[b].clear()
+                    self.steps[b][a.name].keep_last(keep, self._prices[b])
 
     def could_pay(self, b: int, methods: Sequence[str], gain: float) -> bool:
         """Whether an arm of these methods in bucket b, emitting (1 + gain) times the tokens it did for the same
@@ -364,24 +373,29 @@ class StrategyBandit:
         off = self.off[b]
         if off is None or not self.steps[b][off.name]:
             return None
-        return self._price((batch_size, critical is not None), tokens, critical or 0.0)
+        return self._prices[b]((batch_size, critical is not None), tokens, critical or 0.0)
 
-    def _price(self, key: tuple[int, bool], tokens: float, critical: float) -> float:
-        """Plain decoding's seconds for tokens emitted at a batch size: tokens / bs * t_off(bs) where a request waits;
-        where none does, the critical row's tokens at the fixed part of a plain step and the others' at its
-        per-row part (module doc)."""
-        batch_size, by_critical = key
-        step, fixed, per_row = self._plain_costs(batch_size)
-        if not by_critical:
-            return tokens / batch_size * step
-        return critical * fixed + (tokens - critical) * per_row
+    def _price_in(self, b: int):
+        """Bucket b's price(key, tokens, critical): plain decoding's seconds for tokens emitted at a batch size,
+        tokens / bs * t_off(bs) where a request waits; where none does, the critical row's tokens at the fixed part of
+        a plain step and the others' at its per-row part (module doc)."""
+        costs = self._plain_costs
 
-    def _plain_costs(self, batch_size: int) -> tuple[float, float, float]:
+        def price(key: tuple[int, bool], tokens: float, critical: float) -> float:
+            batch_size, by_critical = key
+            step, fixed, per_row = costs(b, batch_size)
+            if not by_critical:
+                return tokens / batch_size * step
+            return critical * fixed + (tokens - critical) * per_row
+        return price
+
+    def _plain_costs(self, b: int, batch_size: int) -> tuple[float, float, float]:
         """(t_off(bs), fixed, per row): plain decoding's step time at this batch size, over "off"'s window in its
         bucket (at the nearest batch size it ran at there; 1.0 where none: estimates are then tokens a row per
         second), split as fixed + (bs - 1) * per row, fixed = min(t_off(1), t_off(bs)). Without an "off" step at the
         batch size of one in its window, fixed = per row = t_off(bs) / bs (cost proportional to the batch)."""
-        if batch_size not in self._costs:
+        table = self._costs[b]
+        if batch_size not in table:
             step = self._plain_step_s(batch_size)
             one = self._plain_step_s(1, exact=True) if batch_size > 1 else step
             if step is None:
@@ -391,8 +405,8 @@ class StrategyBandit:
             else:
                 fixed = min(one, step)
                 costs = (step, fixed, (step - fixed) / (batch_size - 1) if batch_size > 1 else 0.0)
-            self._costs[batch_size] = costs
-        return self._costs[batch_size]
+            table[batch_size] = costs
+        return table[batch_size]
 
     def _plain_step_s(self, batch_size: int, exact: bool = False) -> float | None:
         """Mean "off" step time at this batch size in its bucket's window, else (unless exact) at the nearest batch
@@ -408,13 +422,10 @@ class StrategyBandit:
 
     def estimate(self, b: int, name: str) -> float:
         """Speed of the arm over its window relative to plain decoding at the same batch sizes: plain decoding's
-        seconds for the tokens it emitted (at the current t_off) / its seconds (see the module doc); -inf before
-        its first step."""
-        cache = self._estimates[b]
-        if name not in cache:
-            steps = self.steps[b][name]
-            cache[name] = steps.plain_seconds(self._price) / max(steps.seconds, 1e-9) if steps else -math.inf
-        return cache[name]
+        seconds for the tokens it emitted (at the bucket's current prices) / its seconds (see the module doc); -inf
+        before its first step."""
+        steps = self.steps[b][name]
+        return steps.plain / max(steps.seconds, 1e-9) if steps else -math.inf
 
     def _best(self, b: int) -> Arm:
         arms = self.arms[b]
