@@ -13,9 +13,9 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   `tokens` in `seconds` counts tokens / bs * t_off(bs) "plain seconds", t_off(bs) being the "off" arm's mean step time
   at that batch size over its window (at the nearest batch size it ran in the bucket otherwise). An arm's estimate
   sum(plain seconds) / sum(seconds) over its window is a speedup over plain decoding ("off" is about 1.0: a plain step
-  emits one token a row, priced at "off"'s recent mean). Raw tokens/s would compare arms measured at different batch sizes of one
-  bucket: at bs 2-4 a decode step costs about the same at either end, so whichever arm happened to run at bs 4 looked
-  twice as fast as one that ran at bs 2.
+  emits one token a row, priced at "off"'s recent mean). Raw tokens/s would compare arms measured at different batch
+  sizes of one bucket: at bs 2-4 a decode step costs about the same at either end, so whichever arm happened to run at
+  bs 4 looked twice as fast as one that ran at bs 2.
 - Every arm is priced at the same, recent plain step time: a bucket's windows are priced again at "off"'s current
   step times at its first "off" step and every `reprice_every` (16) after (every bucket's, for an "off" step at bs 1,
   the fixed part below), not frozen at the time known when each step was recorded. Frozen, an SD step kept the
