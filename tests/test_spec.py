@@ -322,7 +322,7 @@ def test_the_critical_row_is_given_to_the_bandit_only_when_no_request_waits(tiny
     def spy(self, seqs):
         left = [s.max_total_len - s.num_tokens for s in seqs]
         before = [len(s.output_ids) for s in seqs]
-        waiting = bool(self.engine.scheduler.waiting)
+        waiting = self.engine.requests_waiting
         done = step(self, seqs)
         most = max(left)
         gained = min(len(s.output_ids) - b for s, b, n in zip(seqs, before, left) if n == most)

@@ -143,6 +143,12 @@ class LLMEngine:
         return self.kv.num_slots
 
     @property
+    def requests_waiting(self) -> bool:
+        """Whether a request waits for a slot: a finished row's slot is then refilled; otherwise the batch only
+        shrinks."""
+        return bool(self.scheduler.waiting)
+
+    @property
     def num_graph_captures(self) -> int:
         """CUDA graphs captured so far, the target's and the speculator's: a step that captured one costs many
         plain steps, once."""

@@ -206,7 +206,7 @@ class SpecDecoder:
     def step(self, seqs: list[Sequence]) -> list[Sequence]:
         t0 = time.perf_counter()
         captures, indexing = self.engine.num_graph_captures, self.ngram.index_time_s
-        critical = None if self.engine.scheduler.waiting else _critical_rows(seqs)
+        critical = None if self.engine.requests_waiting else _critical_rows(seqs)
         arm = self.bandit.select(len(seqs))
         bucket = self.bandit.bucket_name(self.bandit.bucket(len(seqs)))
         self.st["arm_counts"][f"{bucket}:{arm.name}"] += 1
