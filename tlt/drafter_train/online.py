@@ -331,10 +331,8 @@ class OnlineDrafterHook(DrafterHook):
         credited = self._published_gain if reverted else 0.0
         if publish:  # with the gain on the held-out slice: closed buckets reopen only where it could pay
             gain = None if old is None or new is None else new["accept_proxy"] / old["accept_proxy"] - 1
-            if gain is not None and credited is not None:  # over the engine's weights, not the snapshot's
-                gain = (1 + gain) / (1 + credited) - 1
-            elif credited is None:
-                gain = None
+            if gain is not None:  # over the engine's weights, not the snapshot's
+                gain = None if credited is None else (1 + gain) / (1 + credited) - 1
             self._publish(step, self.drafter.trainable_state_dict(), gain)
         else:
             self.drafter.load_state_dict(snapshot, strict=False)  # refused: keep training from the published one

@@ -124,15 +124,14 @@ def default_arm_table(device: str = "cpu") -> tuple[list[float], list[list[Arm]]
 
 class _Window:
     """The last `maxlen` steps as [key, tokens, critical tokens, seconds], key = (batch size, whether the step is
-    valued by its critical row), with running sums per key ([steps, tokens, critical tokens, seconds]), per batch
-    size ([steps, seconds]), of all seconds, and of the steps' plain seconds at the bandit's current prices
+    valued by its critical row), with running sums per key ([steps, tokens, critical tokens, seconds]), of all
+    seconds, and of the steps' plain seconds at the bandit's current prices
     (`price(key, tokens, critical)`, passed in; `reprice` when they change): an estimate reads O(1)."""
 
     def __init__(self, maxlen: int):
         self.entries: deque[list] = deque()
         self.maxlen = maxlen
         self.by_key: dict[tuple[int, bool], list[float]] = {}
-        self.by_bs: dict[int, list[float]] = {}
         self.seconds = 0.0
         self.plain = 0.0
 
@@ -148,9 +147,6 @@ class _Window:
         sums[1] += tokens
         sums[2] += critical
         sums[3] += seconds
-        per_bs = self.by_bs.setdefault(key[0], [0, 0.0])
-        per_bs[0] += 1
-        per_bs[1] += seconds
         self.seconds += seconds
         if tokens:
             self.plain += price(key, tokens, critical)
@@ -160,7 +156,6 @@ class _Window:
         entry = self.entries[-1]
         entry[3] += seconds
         self.by_key[entry[0]][3] += seconds
-        self.by_bs[entry[0][0]][1] += seconds
         self.seconds += seconds
 
     def drop_oldest(self, price) -> None:
@@ -172,11 +167,6 @@ class _Window:
         sums[3] -= seconds
         if not sums[0]:
             del self.by_key[key]  # no float residue of a key that left the window
-        per_bs = self.by_bs[key[0]]
-        per_bs[0] -= 1
-        per_bs[1] -= seconds
-        if not per_bs[0]:
-            del self.by_bs[key[0]]
         if not self.entries:
             self.seconds = self.plain = 0.0
             return
@@ -413,12 +403,13 @@ class StrategyBandit:
         size there; None without one."""
         b = self.bucket(batch_size)
         off = self.off[b]
-        per_bs = self.steps[b][off.name].by_bs if off is not None else {}
-        if batch_size not in per_bs and (exact or not per_bs):
-            return None
-        n, seconds = per_bs[batch_size if batch_size in per_bs else
-                            min(per_bs, key=lambda k: (abs(k - batch_size), k))]
-        return seconds / n
+        sums = self.steps[b][off.name].by_key if off is not None else {}
+        if (batch_size, False) not in sums and (batch_size, True) not in sums:  # not at this batch size
+            if exact or not sums:
+                return None
+            batch_size = min((bs for bs, _ in sums), key=lambda k: (abs(k - batch_size), k))
+        steps = [sums[k] for k in ((batch_size, False), (batch_size, True)) if k in sums]
+        return sum(s[3] for s in steps) / sum(s[0] for s in steps)
 
     def estimate(self, b: int, name: str) -> float:
         """Speed of the arm over its window relative to plain decoding at the same batch sizes: plain decoding's

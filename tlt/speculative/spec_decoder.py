@@ -206,8 +206,9 @@ class SpecDecoder:
     def step(self, seqs: list[Sequence]) -> list[Sequence]:
         t0 = time.perf_counter()
         captures, indexing = self.engine.num_graph_captures, self.ngram.index_time_s
-        critical = None if self.engine.requests_waiting else _critical_rows(seqs)
         arm = self.bandit.select(len(seqs))
+        # an SD step's worth with no request waiting: what it gives the critical row (a plain step is worth itself)
+        critical = None if arm.method == "off" or self.engine.requests_waiting else _critical_rows(seqs)
         bucket = self.bandit.bucket_name(self.bandit.bucket(len(seqs)))
         self.st["arm_counts"][f"{bucket}:{arm.name}"] += 1
         self.st["gate_steps"] += 1
