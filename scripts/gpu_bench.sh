@@ -6,6 +6,9 @@
 #   bash scripts/gpu_bench.sh [RESULTS_DIR]        # default: $OUT if set, else results/gpu_bench
 #   bash scripts/gpu_bench.sh --dry-run [DIR]      # the same commands at tiny scale on CPU (~1-2 min);
 #                                                  # TLT_GPU_BENCH_CPU=1 does the same
+#   TLT_GPU_BENCH_STAGES=tests,attention bash scripts/gpu_bench.sh   # only these stages (names below)
+#   T_E2E=200 bash scripts/gpu_bench.sh            # a stage's timeout in seconds (T_TESTS, T_MODEL, T_DRAFTER,
+#                                                  # T_DECODE, T_SPEC, T_ROLLOUT, T_E2E, T_ATTN)
 #
 # Model: $TLT_BENCH_MODEL (an HF directory, e.g. a converted SmolLM2-135M-Instruct brought along) if set, else a
 # random model of SmolLM2-135M's exact shape built here from its config (tlt.bench.random_model; no download).
@@ -37,7 +40,8 @@ START=$(date +%s)
 
 if [ "$CPU" = 1 ]; then   # tiny scale on CPU: checks every command and path, measures nothing
     DEVICE=cpu; DTYPE=float32; SHAPE=tiny
-    T_TESTS=60; T_MODEL=30; T_DRAFTER=60; T_DECODE=60; T_SPEC=60; T_ROLLOUT=60; T_E2E=120; T_ATTN=60
+    T_TESTS=${T_TESTS:-60}; T_MODEL=${T_MODEL:-30}; T_DRAFTER=${T_DRAFTER:-60}; T_DECODE=${T_DECODE:-60}
+    T_SPEC=${T_SPEC:-60}; T_ROLLOUT=${T_ROLLOUT:-60}; T_E2E=${T_E2E:-120}; T_ATTN=${T_ATTN:-60}
     DRAFTER_ARGS="--num-prompts 4 --n 1 --max-tokens 8 --steps 2 --batch-tokens 128 --window-len 64"
     DECODE_ARGS="--batch-sizes 1,4 --max-tokens 4 --prompt-len 8 --repeats 1 --no-hf"
     SPEC_ARGS="--batch-sizes 1,2 --max-tokens 8 --repeats 1 --skip-hf"
@@ -48,7 +52,8 @@ if [ "$CPU" = 1 ]; then   # tiny scale on CPU: checks every command and path, me
               drafter_train.window_len=64 actor.ppo_mini_batch_size=2 actor.ppo_max_token_len=4096"
 else                      # sized so that the timeouts below (plus 5 s grace each) sum to under 10 minutes
     DEVICE=cuda; DTYPE=bfloat16; SHAPE=smollm2-135m
-    T_TESTS=90; T_MODEL=40; T_DRAFTER=70; T_DECODE=55; T_SPEC=70; T_ROLLOUT=80; T_E2E=100; T_ATTN=45
+    T_TESTS=${T_TESTS:-90}; T_MODEL=${T_MODEL:-40}; T_DRAFTER=${T_DRAFTER:-70}; T_DECODE=${T_DECODE:-55}
+    T_SPEC=${T_SPEC:-70}; T_ROLLOUT=${T_ROLLOUT:-80}; T_E2E=${T_E2E:-100}; T_ATTN=${T_ATTN:-45}
     ATTN_ARGS="--contexts 512,2048,8192 --batch-sizes 1,16,64 --steps 16 --repeats 2 --layouts spread"
     DRAFTER_ARGS="--num-prompts 64 --n 2 --max-tokens 256 --steps 200 --batch-tokens 4096 --window-len 512"
     DECODE_ARGS="--batch-sizes 1,16,64,256 --max-tokens 128 --repeats 2 --no-hf"
@@ -57,8 +62,12 @@ else                      # sized so that the timeouts below (plus 5 s grace eac
     E2E_ARGS="--steps 2 --modes off,adaptive data.train_batch_size=16 data.max_response_length=512"
 fi
 
+STAGES=" ${TLT_GPU_BENCH_STAGES:-tests model drafter decode spec rollout e2e attention} "
+STAGES=${STAGES//,/ }
+
 run() {  # run NAME SECONDS CMD...: log, exit status and final JSON line of one command, under a hard timeout
     local name=$1 limit=$2; shift 2
+    [[ "$STAGES" == *" $name "* ]] || return 0
     echo "== $name (timeout ${limit}s): $*"
     timeout --kill-after=5 "$limit" "$@" >"$RESULTS/$name.log" 2>&1
     local rc=$?
