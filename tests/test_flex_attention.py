@@ -98,28 +98,34 @@ def test_block_mask_skips_blocks_past_each_row(model):
 _DRAFTERS = {}
 
 
-def _engine_outputs(path, spec, graphed=False):
+def _engine_outputs(path, spec, graphed=False, device="cpu"):
     """Greedy (tokens, log-probs) of prompts of 2..90 tokens: [sdpa engine's, flex engine's]; with `graphed` the
-    flex engine's decode / verify forwards run GraphedForward's padded static forward (uncaptured off CUDA)."""
+    flex engine's decode / verify forwards run GraphedForward's padded static forward (uncaptured off CUDA). On
+    CUDA both engines replay captured graphs."""
     from tests.spec_util import quick_drafter
     from tlt.engine.cuda_graph import GraphedForward
     from tlt.speculative.config import SpecConfig
+    from tlt.speculative.drafter import Drafter
     from tlt.speculative.spec_decoder import SpecDecoder
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (2, 90, 17, 5)]
     outs = []
     for backend in ("sdpa", "flex"):
-        llm = tlt.LLM(path, dtype="float32", device="cpu", max_num_seqs=4, attention=backend)
+        llm = tlt.LLM(path, dtype="float32", device=device, max_num_seqs=4, attention=backend)
         assert llm.model.attention_backend == backend
+        assert device == "cpu" or llm.model.flex_in_graphs, "flex did not pass its graph probe (see the warning)"
         if graphed and backend == "flex":
             llm.engine.runner.graphs = GraphedForward(llm.engine.model, llm.engine.kv, capture=False)
         if spec is not None:
-            if path not in _DRAFTERS:
-                _DRAFTERS[path] = quick_drafter(llm.model, steps=20, num_prompts=4, max_tokens=16)
+            if path not in _DRAFTERS:  # trained once, on a CPU copy of the model
+                cpu = tlt.LLM(path, dtype="float32", device="cpu", max_num_seqs=4, attention="sdpa").model
+                _DRAFTERS[path] = quick_drafter(cpu, steps=20, num_prompts=4, max_tokens=16).trainable_state_dict()
+            drafter = Drafter(llm.model.cfg).attach(llm.model)
+            drafter.load_state_dict(_DRAFTERS[path], strict=False)
             arm = dict(num_speculative_tokens=3) if spec == "chain" else dict(num_speculative_tokens=3, draft_topk=3,
                                                                                num_draft_tokens=8)
             SpecDecoder(llm.engine, SpecConfig(method="eagle", bs_threshold=None, adaptive=False, **arm),
-                        _DRAFTERS[path])
+                        drafter.eval())
         sp = tlt.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         outs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp)])
         llm.model.attention_backend = "sdpa"
@@ -165,10 +171,23 @@ def test_static_padded_forward_with_flex(tiny_llama_dir, spec):
 
 
 @cuda
-def test_auto_picks_flex_on_gpu():
-    backend, in_graphs = flex.resolve_backend("auto", torch.device("cuda"))
-    assert backend == "flex", "FlexAttention failed its probe on this GPU (see the warning)"
+def test_flex_probe_on_gpu():
+    """flex is opt-in (auto = sdpa); on CUDA it passes its probe over several shapes, captured and replayed."""
+    assert flex.resolve_backend("auto", torch.device("cuda")) == ("sdpa", True)
+    backend, in_graphs = flex.resolve_backend("flex", torch.device("cuda"))
+    assert backend == "flex"
     assert in_graphs, "FlexAttention's block mask did not capture into a CUDA graph (see the warning)"
+
+
+@cuda
+@pytest.mark.parametrize("spec", [None, "tree"])
+def test_captured_flex_equals_sdpa_on_gpu(tiny_llama_dir, spec):
+    """On CUDA the flex engine's captured decode / tree-verify graphs give the sdpa engine's tokens and log-probs
+    (the case where a per-shape compile fell back to eager flex inside capture and crashed)."""
+    outs = _engine_outputs(tiny_llama_dir, spec, device="cuda")
+    for (ta, la), (tb, lb) in zip(*outs):
+        assert ta == tb
+        torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), atol=1e-4, rtol=0)
 
 
 @cuda

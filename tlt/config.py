@@ -63,8 +63,8 @@ class RolloutConfig:
     attention: Literal["auto", "sdpa", "flex"] = _f(
         "auto", "attention of decode and verification forwards: sdpa = over the KV cache's capacity (or the longest "
                 "row) under a mask; flex = PyTorch FlexAttention with a block mask over each row's own cached keys "
-                "(compiled on CUDA; eager and slow on CPU); auto = flex on CUDA where it works, else sdpa. Captured "
-                "CUDA graphs use flex only where a start-up probe captures it, else sdpa")
+                "(compiled on CUDA; eager and slow on CPU; opt-in); auto = sdpa. Captured CUDA graphs use flex only "
+                "where a start-up probe over several shapes captures it, else sdpa")
     dynamic_sampling: bool = _f(False, "DAPO: drop groups whose rewards are all equal")
     overlong_filter: bool = _f(False, "mask out responses truncated at max_response_length from the loss")
     replica_timeout_s: float | None = _f(None, "Ray rollout replicas: seconds one generate call may run before its "

@@ -59,7 +59,10 @@ def flex_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     fn = flex_attention
     if q.device.type == "cuda":  # the fused, block-sparse kernel
         if _compiled is None:
-            _compiled = torch.compile(flex_attention, dynamic=False)
+            # dynamic shapes: one kernel for every batch bucket, query length and cache capacity. Compiled per
+            # shape, a rollout's shapes pass dynamo's recompile limit (8) and flex falls back to its eager
+            # implementation, which cannot run inside CUDA graph capture (docs/design.md §15)
+            _compiled = torch.compile(flex_attention, dynamic=True)
         fn = _compiled
     with warnings.catch_warnings():  # CPU: the eager (unfused) implementation, on purpose
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -70,51 +73,59 @@ def flex_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
 def resolve_backend(name: str, device: torch.device) -> tuple[str, bool]:
     """(backend, whether graphed forwards may use it).
 
-    auto -> flex on CUDA where FlexAttention runs a tiny call, else sdpa; flex -> flex (any device: eager on CPU);
-    sdpa -> sdpa. On CUDA, graphed forwards use flex only where a tiny block mask + flex call also captures into a
-    CUDA graph and replays right; elsewhere they stay on sdpa. Unknown names raise ValueError."""
+    auto -> sdpa; flex -> flex (any device: eager on CPU); sdpa -> sdpa. flex is opt-in: on an H100 its compiled
+    kernel, compiled per shape, fell back to the eager implementation mid-rollout, which breaks CUDA graph capture
+    (docs/design.md §15). On CUDA, flex first runs a probe over several shapes; graphed forwards use it only where
+    the probe also captures into a CUDA graph and replays right, else they stay on sdpa. Unknown names raise
+    ValueError."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r}: choose one of {', '.join(BACKENDS)}")
     if name == "flex" and not flex_available():
         raise ValueError("attention backend 'flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
+    if name != "flex":
+        return "sdpa", True
     if device.type != "cuda":
-        return ("sdpa" if name == "auto" else name), True  # nothing is captured off CUDA
-    if name == "sdpa" or not flex_available():
-        return "sdpa", True
-    try:  # a torch build whose compiled flex kernel fails falls back here, not mid-rollout
-        _probe(device, capture=False)
-    except Exception as exc:  # noqa: BLE001 - any failure means: keep the current path
-        if name == "flex":
-            raise
-        warnings.warn(f"FlexAttention failed on {device} ({type(exc).__name__}: {exc}); attention stays on sdpa")
-        return "sdpa", True
+        return "flex", True  # nothing is captured off CUDA
+    _probe(device, capture=False)  # a torch build whose compiled flex kernel fails raises here, not mid-rollout
     try:
         _probe(device, capture=True)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - any failure means: graphed forwards keep sdpa
         warnings.warn(f"FlexAttention does not capture into a CUDA graph here ({type(exc).__name__}: {exc}); "
                       f"graphed decode / verify forwards stay on sdpa")
         return "flex", False
     return "flex", True
 
 
-def _probe(device: torch.device, capture: bool) -> None:
-    """A tiny block mask + flex call (rows of 1 and 3 keys); with `capture`, built and run inside a CUDA graph
-    whose replay after new lengths must match an eager call."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    q = torch.randn(2, 1, 2, 16, generator=g).to(device)
-    k, v = (torch.randn(2, 1, 256, 16, generator=g).to(device) for _ in range(2))
-    lens = torch.tensor([1, 3], device=device)
+PROBE_SHAPES = ((2, 1, 256), (5, 1, 512), (3, 4, 768), (12, 9, 1024))  # (rows, new tokens a row, capacity)
 
-    def run():
-        return flex_cache_attention(q, k, v, block_mask(lens, None, 1, 256))
-    out = run()
-    if not capture:
-        return
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+def _probe(device: torch.device, capture: bool) -> None:
+    """Flex calls at several shapes (rows, new tokens, capacity), as a rollout's buckets and cache growth make
+    them, each against the eager implementation; with `capture`, each built and run inside a CUDA graph whose
+    replay after new lengths must match an eager call."""
+    from torch.nn.attention.flex_attention import flex_attention
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for B, T, cap in PROBE_SHAPES:
+        q = torch.randn(B, T, 2, 16, generator=g).to(device)
+        k, v = (torch.randn(B, 1, cap, 16, generator=g).to(device) for _ in range(2))
+        lens = torch.randint(1, cap - T, (B,), generator=g).to(device)
+
+        def run():
+            return flex_cache_attention(q, k, v, block_mask(lens, None, T, cap))
+
+        def reference():
+            mask = block_mask(lens, None, T, cap)
+            return flex_attention(q.transpose(1, 2), k, v, block_mask=mask, enable_gqa=True).transpose(1, 2)
         out = run()
-    lens.copy_(torch.tensor([200, 7]))
-    graph.replay()
-    torch.cuda.synchronize()
-    if not torch.allclose(out, run(), atol=1e-4):
-        raise RuntimeError("a replayed block mask did not follow the new lengths")
+        if not capture:
+            if not torch.allclose(out, reference(), atol=1e-4):
+                raise RuntimeError(f"compiled flex attention differs from eager at shape {(B, T, cap)}")
+            continue
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        lens.copy_(torch.randint(1, cap - T, (B,), generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        if not torch.allclose(out, reference(), atol=1e-4):
+            raise RuntimeError(f"a replayed block mask did not follow the new lengths at shape {(B, T, cap)}")
