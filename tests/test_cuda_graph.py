@@ -109,6 +109,27 @@ def test_cuda_graph_verification_on_gpu(tiny_llama_dir, cpu_drafter, arm):
     assert any(t == T and tree for _, t, tree in graphs.graphs) and graphs.num_captured > 0
 
 
+@cuda
+def test_graph_pool_captures_again_after_its_graphs_are_dropped():
+    """A grown cache drops every graph of the engine's pool while a tensor made during a capture lives on; the next
+    capture into the same pool still works and replays right (PyTorch's allocator asserts on a pool whose graphs
+    are all gone unless the pool keeps one, GraphPool.anchor)."""
+    pool = GraphPool()
+    x = torch.ones(4, device="cuda")
+    kept = []
+
+    def run():
+        y = x * 2
+        kept.append(y)  # allocated in the pool, referenced after its graph is gone
+        return y
+    graph, out = pool.capture(run)
+    del graph, out
+    graph, out = pool.capture(lambda: x + 3)
+    x.fill_(2.0)
+    graph.replay()
+    assert out.tolist() == [5.0] * 4
+
+
 def test_bandit_skips_steps_that_captured_a_graph(tiny_llama_dir, cpu_drafter, monkeypatch):
     """A step that captured a graph costs many plain steps once: the adaptive policy must not learn from it (an
     "off" step timed with a capture made every SD arm look 30x faster on an H100). Captures are simulated on CPU:

@@ -41,9 +41,14 @@ MAX_TOKENS = 64  # new tokens per row up to which forwards are graphed (the GPU 
 @dataclass
 class GraphPool:
     """The memory pool that every graph of an engine shares, the target's and the drafter's
-    (tlt.speculative.draft_graph): graphs replay one at a time and each copies its outputs out at once."""
+    (tlt.speculative.draft_graph): graphs replay one at a time and each copies its outputs out at once.
+
+    `anchor` holds the latest captured graph. A grown cache drops every graph that reads it; without a graph left
+    in the pool, capturing into its handle again fails PyTorch's allocator check (use_count > 0, seen on an H100
+    when a cache grew between captures). The anchor keeps the pool, and the memory the next graphs reuse, alive."""
     handle: Any = None
     num_captured: int = 0
+    anchor: Any = None
 
     def capture(self, run: Callable[[], Any]) -> tuple["torch.cuda.CUDAGraph", Any]:
         """Capture `run` (reading and writing only static tensors) -> (graph, its outputs). Warm-up first on a side
@@ -57,7 +62,7 @@ class GraphPool:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.handle):
             out = run()
-        self.handle = graph.pool()
+        self.handle, self.anchor = graph.pool(), graph
         self.num_captured += 1
         return graph, out
 
@@ -87,7 +92,7 @@ class GraphedForward:
 
     def release(self) -> None:
         """Drop the captured graphs and their memory pool (they point into a KV cache that is being freed)."""
-        self.graphs, self.cache_key, self.pool.handle = {}, None, None
+        self.graphs, self.cache_key, self.pool.handle, self.pool.anchor = {}, None, None, None
         self.moves.graphs, self.moves_key = {}, None
 
     def move_positions(self, rows: list[int], src: list[int], dst: list[int]) -> None:
