@@ -87,8 +87,9 @@ def time_decode(llm: tlt.LLM, lens: list[int], steps: int, repeats: int) -> list
     dev = eng.device
     bs = len(lens)
     eng.kv.ensure_capacity(max(lens) + steps + 1, bs)
-    for t in eng.kv.k + eng.kv.v:
-        t.normal_()
+    with torch.inference_mode():  # the engine made its cache in inference mode
+        for t in eng.kv.k + eng.kv.v:
+            t.normal_()
     start = torch.tensor(lens, device=dev)
     ids = torch.randint(1, llm.model.cfg.vocab_size, (bs, 1), device=dev)
 
