@@ -122,3 +122,19 @@ def test_bench_spec_times_only_the_strategies_asked_for(tmp_path, capsys):
     assert list(spec.strategies("d", 4, sd_eager=True, wanted=["ngram"])) == ["plain", "ngram", "ngram/sd_eager"]
     assert list(spec.strategies("d", 4)) == ["plain", "ngram", "eagle_chain", "eagle_tree", "adaptive"]  # control
     assert list(spec.strategies(None, 4, wanted=["plain_control", "ngram"])) == ["plain", "plain_control", "ngram"]
+
+
+def test_bench_spec_rows_say_where_the_time_went(tiny_llama_dir):
+    """Each row carries the CUDA graphs captured in the timed rounds (0 on CPU); an adaptive strategy's row also
+    its last round's seconds in SD steps and what they saved, which a fixed strategy (nothing plain to price its
+    steps against) and plain do not have."""
+    import math
+
+    from tlt.bench.spec import run_ours, strategies
+    specs = {**strategies(None, 3, wanted=["ngram"]), "ngram_adaptive": dict(method="ngram", bs_threshold=None)}
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    rows, _ = run_ours(str(tiny_llama_dir), None, prompts, 2, specs, 40, 1, 0)
+    by = {r["strategy"]: r for r in rows}
+    assert set(by) == {"plain", "ngram", "ngram_adaptive"} and all(r["captures"] == 0 for r in rows)
+    assert all(by[k]["sd_s"] is None and by[k]["sd_saved_s"] is None for k in ("plain", "ngram"))
+    assert by["ngram_adaptive"]["sd_s"] >= 0 and math.isfinite(by["ngram_adaptive"]["sd_saved_s"])

@@ -58,3 +58,16 @@ def test_tracked_tree_stays_small():
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
     total = sum((ROOT / f.decode()).stat().st_size for f in files if f and (ROOT / f.decode()).is_file())
     assert total < 32 * 2**20, f"{total / 2**20:.1f} MiB: the tracked tree should stay under 32 MiB"
+
+
+def test_stages_runs_only_the_stages_named(tmp_path):
+    """TLT_GPU_BENCH_STAGES=model,decode: the random model and the decode bench run, nothing else (the control is
+    the full run above, which runs every stage)."""
+    out = tmp_path / "results"
+    env = dict(_blocked_env(tmp_path), TLT_GPU_BENCH_STAGES="model,decode")
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), str(out)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert {k: v["rc"] for k, v in summary["results"].items()} == {"model": 0, "decode": 0}
+    assert summary["results"]["decode"]["json"]["benchmark"] == "decode"

@@ -59,24 +59,35 @@ def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens,
         if name.endswith("/sd_eager"):
             llm.spec.disable_graphs()
 
-    def runner(llm):
+    captures = {name: [] for name in llms}  # CUDA graphs captured in each round (the first is the warm-up)
+
+    def runner(name, llm):
         def go():
             if llm.spec is not None:
                 llm.spec.reset_stats()
                 # every round decodes the same seeded requests: the n-gram drafter's history of earlier responses
                 # to these prompts would hold the very responses it is about to draft
                 llm.spec.ngram.clear_history()
-            return llm.generate(batch, params)
+            before = llm.engine.num_graph_captures
+            out = llm.generate(batch, params)
+            captures[name].append(llm.engine.num_graph_captures - before)
+            return out
         return go
-    timed = interleaved_times({name: runner(llm) for name, llm in llms.items()}, repeats)
+    timed = interleaved_times({name: runner(name, llm) for name, llm in llms.items()}, repeats)
     rows = []
     for name, t in timed.items():
         tokens = sum(len(o.outputs[0].token_ids) for o in t["result"])
         stats = llms[name].stats()
+        # SD steps are timed against plain decoding only where the bandit also decodes plainly (adaptive)
+        priced = specs[name] is not None and specs[name].get("adaptive", True)
         rows.append({"strategy": name, "bs": bs, "tok_s": tokens / t["median"], "time_s": t["median"],
                      "speedup": paired_speedup(timed["plain"]["times"], t["times"]),
                      "spread": f"{t['min']:.2f}-{t['max']:.2f}", "accept_len": stats.get("spec_accept_length"),
-                     "sd_on": stats.get("spec_on_fraction")})
+                     "sd_on": stats.get("spec_on_fraction"), "captures": sum(captures[name][1:]),
+                     # the last round's seconds in SD steps, and plain decoding's estimated seconds for their
+                     # tokens less those (the bandit's prices; negative: SD steps cost time)
+                     "sd_s": stats.get("spec_step_time_s") if priced else None,
+                     "sd_saved_s": stats.get("spec_net_saved_s") if priced else None})
     return rows, [(p, o.outputs[0].token_ids) for p, o in zip(batch, timed["plain"]["result"])]
 
 
@@ -156,11 +167,16 @@ def main(argv: list[str] | None = None) -> int:
         for r in bs_rows:
             print(f"  bs {bs} {r['strategy']}: {r['tok_s']:.1f} tok/s ({r['speedup']:.2f}x)", file=sys.stderr, flush=True)
             rows.append(r)
-            results[f"bs{bs}/{r['strategy']}"] = {k: r[k] for k in ("tok_s", "speedup", "accept_len", "sd_on")}
+            results[f"bs{bs}/{r['strategy']}"] = {k: r[k] for k in ("tok_s", "speedup", "accept_len", "sd_on",
+                                                                    "captures", "sd_s", "sd_saved_s")}
     print(f"model={model_dir} dtype={dtype} max_tokens={a.max_tokens} temperature={a.temperature} "
           f"repeats={a.repeats} interleaved (median; speedup = median over rounds of plain/strategy time) "
           f"threads={torch.get_num_threads()}")
-    print_table(rows, ["bs", "strategy", "tok_s", "speedup", "accept_len", "sd_on", "spread"])
+    print_table(rows, ["bs", "strategy", "tok_s", "speedup", "accept_len", "sd_on", "spread", "captures", "sd_s",
+                       "sd_saved_s"])
+    print("captures: CUDA graphs captured in the timed rounds (each costs many steps once); sd_s / sd_saved_s "
+          "(adaptive): the last round's seconds in SD steps, and plain decoding's estimated seconds for their tokens "
+          "less those")
     bound = {d: oracle_accept_bound(model, pairs, d, temperature=a.temperature)
              for d in sorted({a.depth, 2 * a.depth})}
     print(f"\naccept length an oracle drafter could reach on plain decoding's {len(pairs)} responses (estimate; the "
