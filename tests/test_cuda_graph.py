@@ -130,6 +130,33 @@ def test_graph_pool_captures_again_after_its_graphs_are_dropped():
     assert out.tolist() == [5.0] * 4
 
 
+@pytest.mark.parametrize("reserved", [True, False], ids=["headroom", "control"])
+def test_no_cache_grows_mid_rollout(tiny_llama_dir, cpu_drafter, reserved):
+    """Admission sizes the target's and the drafter's caches for the rows' worst-case lengths plus the
+    speculator's headroom, so neither grows mid-rollout (on CUDA a grown cache drops every graph that reads it).
+    Control: without the headroom, verify steps near the rows' end (prompt + max_tokens = 64, a multiple of the
+    cache's rounding) grow them."""
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=4)
+    spec = SpecDecoder(llm.engine, SpecConfig(method="eagle", bs_threshold=None, adaptive=False, **CHAIN),
+                       cpu_drafter)
+    eng = llm.engine
+    assert eng.scheduler.headroom >= CHAIN["num_speculative_tokens"] + 1
+    if not reserved:
+        eng.scheduler.headroom = 0
+    caches, step = set(), eng.step
+
+    def watched_step():
+        done = step()
+        caches.add((eng.kv.k[0].data_ptr(), eng.kv.capacity, spec.dcache.k[0].data_ptr(), spec.dcache.capacity))
+        return done
+    eng.step = watched_step
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 128, (20,), generator=g).tolist() for _ in range(3)]
+    outs = llm.generate(prompts, tlt.SamplingParams(temperature=0.0, max_tokens=44, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 44 for o in outs) and spec.stats()["spec_on_fraction"] > 0
+    assert (len(caches) == 1) == reserved, caches
+
+
 def test_bandit_skips_steps_that_captured_a_graph(tiny_llama_dir, cpu_drafter, monkeypatch):
     """A step that captured a graph costs many plain steps once: the adaptive policy must not learn from it (an
     "off" step timed with a capture made every SD arm look 30x faster on an H100). Captures are simulated on CPU:

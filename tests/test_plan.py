@@ -71,8 +71,9 @@ def test_plan_fails_early_naming_the_key(capsys, tiny_llama_dir):
 
 def test_kv_cache_with_cuda_graphs_holds_every_slot_at_rounded_capacity(tiny_llama_dir):
     """Graphed decoding allocates every rollout.max_num_seqs slot (padding rows write into free ones) and rounds the
-    capacity to cuda_graph.ROUND with room for a draft tree; enforce_eager (the control) plans what is running."""
-    from tlt.engine.cuda_graph import MAX_TOKENS, ROUND
+    capacity to cuda_graph.ROUND, with the speculator's headroom for a draft tree; enforce_eager (the control)
+    plans what is running."""
+    from tlt.engine.cuda_graph import ROUND
     m = read_config(tiny_llama_dir)
     base = [f"model.path={tiny_llama_dir}", "model.device=cuda", "rollout.max_num_seqs=64", "data.train_batch_size=2",
             "rollout.n=4", "data.max_prompt_length=100", "data.max_response_length=300", "speculative.enabled=true",
@@ -80,9 +81,10 @@ def test_kv_cache_with_cuda_graphs_holds_every_slot_at_rounded_capacity(tiny_lla
     per_position = m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2  # bf16 on CUDA
     graphed = memory_plan(load_config(None, base), m, 1).bytes("kv cache")
     eager = memory_plan(load_config(None, base + ["rollout.enforce_eager=true"]), m, 1).bytes("kv cache")
-    capacity = -(-(100 + 300 + MAX_TOKENS) // ROUND) * ROUND
+    headroom = load_config(None, base).speculative.max_draft_len() + 1  # what the engine reserves at admission
+    capacity = -(-(100 + 300 + headroom) // ROUND) * ROUND
     assert graphed == 64 * capacity * per_position
-    assert eager == 8 * 416 * per_position  # 8 responses running, 400 positions rounded up to 32
+    assert eager == 8 * 480 * per_position  # 8 responses running, 400 + 65 positions rounded up to 32
 
 
 def test_colocated_counts_the_replica_weights_beside_the_ranks_engine(tiny_llama_dir):

@@ -249,7 +249,12 @@ def test_cache_growth_mid_speculation(sharp_llama):
     """KV capacity grows inside a verify step (long generation from a short start) without breaking the commit."""
     model, drafter_dir = sharp_llama
     llm = tlt.LLM(model, speculative_config=dict(TREE, model=drafter_dir))
+    llm.engine.scheduler.headroom = 0  # nothing reserved past the rows' end at admission: verify steps grow the cache
+    kv, capacities = llm.engine.kv, []
+    grow = kv.ensure_capacity
+    kv.ensure_capacity = lambda *a: (grow(*a), capacities.append(kv.capacity))[0]
     out = llm.generate([[5, 6]], tlt.SamplingParams(temperature=0, max_tokens=124, ignore_eos=True))[0].outputs[0]
+    assert len(set(capacities)) > 1, "the cache never grew after admission: the case under test did not occur"
     ref = tlt.LLM(model).generate([[5, 6]], tlt.SamplingParams(temperature=0, max_tokens=124, ignore_eos=True))
     assert out.token_ids == ref[0].outputs[0].token_ids
 
@@ -264,6 +269,7 @@ def test_drafter_catch_up_with_uneven_rows_in_a_tight_cache(sharp_llama, monkeyp
     ref = [o.outputs[0].token_ids for o in tlt.LLM(model, max_num_seqs=2).generate(prompts, p)]
     llm = tlt.LLM(model, max_num_seqs=2, speculative_config=dict(CHAIN, model=drafter_dir))
     llm.spec.dcache.round_to = 1
+    llm.engine.scheduler.headroom = 0  # nothing reserved at admission: the catch-up's own growth is under test
     overflows, catch_up = [], SpecDecoder._drafter_catch_up
 
     def watched(self, seqs):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from tlt.config import Config, ConfigError, load_config
-from tlt.engine.cuda_graph import MAX_TOKENS, ROUND
+from tlt.engine.cuda_graph import ROUND
 from tlt.models.config import ModelConfig
 from tlt.models.decoder import Decoder
 
@@ -188,10 +188,12 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
         f_chunk = min(f_resp, a.logprob_chunk_tokens or f_resp)
         rows.append(Row(f"{phase.split('_')[0]} log-prob forward", f_tokens * per_layer + 2 * f_chunk * V * 4,
                         "actor.logprob_chunk_tokens", phases=(phase,)))
-    # capacity: rounded up to 32 positions, or with CUDA graphs to ROUND, with room for a verified draft tree
+    # capacity: rounded up to 32 positions, or with CUDA graphs to ROUND, with the speculator's headroom (a verified
+    # draft tree past a row's end), reserved at admission (LLMEngine.attach_speculator)
     graphs = on_cuda and not cfg.rollout.enforce_eager
     step = ROUND if graphs else 32
-    capacity = -(-(P + R + (MAX_TOKENS if graphs and cfg.speculative.enabled else 0)) // step) * step
+    headroom = cfg.speculative.max_draft_len() + 1 if cfg.speculative.enabled else 0
+    capacity = -(-(P + R + headroom) // step) * step
     kv = _kv_bytes(cfg, m, responses, capacity, m.num_layers, graphs)
     rows.append(Row("kv cache", kv, "rollout.max_num_seqs"))
     # growing the cache copies it: the last growth holds the old cache (one rounding step shorter) beside the new
@@ -210,7 +212,7 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
     if s.enabled and s.method == "eagle":  # one decoder layer and the fc fusing (embedding, hidden state)
         drafter = layer_numel + 2 * H * H
         per = 4 * (1 + 1 + ADAM_STATES) if cfg.drafter_train.enabled else rollout_width
-        draft_kv = _kv_bytes(cfg, m, responses, capacity + 32, 1, graphs)  # its own one-layer cache, with room
+        draft_kv = _kv_bytes(cfg, m, responses, capacity, 1, graphs)  # its own one-layer cache, the target's length
         rows.append(Row("drafter", drafter * per + draft_kv + drafter * rollout_width * (not on_cuda),
                         "speculative.enabled"))
         if cfg.drafter_train.enabled:  # hidden states kept from the rollout (bf16), FIFO-capped

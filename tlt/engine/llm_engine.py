@@ -130,12 +130,14 @@ class LLMEngine:
     # A speculator (tlt.speculative.SpecDecoder) takes over decode steps through these methods only: it is told of
     # requests, prefills, plain steps and finished sequences (on_add, on_prefill, on_plain_decode, on_tokens,
     # on_finish), decides per step whether it runs it (wants_step, step), and runs a step with the calls below.
-    def attach_speculator(self, spec, slot_caches: tuple[KVCache, ...] = ()) -> None:
+    def attach_speculator(self, spec, slot_caches: tuple[KVCache, ...] = (), headroom: int = 0) -> None:
         """Let `spec` take over decode steps; `slot_caches` (the drafter's KV cache) are slot-indexed like the
-        target's and move with their rows when the scheduler compacts the batch."""
+        target's and move with their rows when the scheduler compacts the batch; `headroom`: positions past a
+        sequence's worst-case length that its steps may write, reserved in every cache at admission."""
         self.spec = spec
         for cache in slot_caches:
             self.scheduler.add_slot_cache(cache)
+        self.scheduler.headroom = max(self.scheduler.headroom, headroom)
 
     @property
     def num_slots(self) -> int:

@@ -22,6 +22,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.slot_caches: list[KVCache] = []  # slot-indexed caches that move with their rows (drafter's)
+        # positions past a sequence's worst-case length that a step may write (a speculator's drafts and padding):
+        # reserved at admission, so no cache grows mid-rollout, which would drop every CUDA graph reading it
+        self.headroom = 0
 
     def add_slot_cache(self, cache: KVCache) -> None:
         """Another slot-indexed cache whose rows move with the target's when the batch is compacted."""
@@ -51,9 +54,8 @@ class Scheduler:
             seq.status, seq.slot = Status.RUNNING, len(self.running)
             self.running.append(seq)
         if admitted:
-            self.kv.ensure_capacity(longest, len(self.running))
-            for cache in self.slot_caches:  # slot-indexed like the target's (their lengths grow on their own)
-                cache.ensure_capacity(0, len(self.running))
+            for cache in [self.kv, *self.slot_caches]:  # the slot caches are slot-indexed like the target's
+                cache.ensure_capacity(longest + self.headroom, len(self.running))
         return admitted
 
     def finish(self, done: list[Sequence]) -> None:

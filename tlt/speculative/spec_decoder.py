@@ -63,7 +63,9 @@ class SpecDecoder:
         self._speculating = False  # inside an SD step, whose measured time already includes its capture
         self.drafter_version = 0
         self.reset_stats()
-        engine.attach_speculator(self, slot_caches=(self.dcache,) if self.dcache is not None else ())
+        # room for a verify step's drafts past a row's end, and for the drafter's padded catch-up and drafts
+        engine.attach_speculator(self, slot_caches=(self.dcache,) if self.dcache is not None else (),
+                                 headroom=cfg.max_draft_len() + 1)
 
     @classmethod
     def from_config(cls, engine, config: dict) -> "SpecDecoder":
