@@ -64,6 +64,12 @@ fi
 
 STAGES=" ${TLT_GPU_BENCH_STAGES:-tests model drafter decode spec rollout e2e attention} "
 STAGES=${STAGES//,/ }
+for s in $STAGES; do
+    case $s in tests|model|drafter|decode|spec|rollout|e2e|attention) ;;
+        *) echo "TLT_GPU_BENCH_STAGES: unknown stage '$s' (tests model drafter decode spec rollout e2e attention)" >&2
+           exit 2 ;;
+    esac
+done
 
 run() {  # run NAME SECONDS CMD...: log, exit status and final JSON line of one command, under a hard timeout
     local name=$1 limit=$2; shift 2

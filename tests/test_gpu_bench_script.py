@@ -71,3 +71,7 @@ def test_stages_runs_only_the_stages_named(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert {k: v["rc"] for k, v in summary["results"].items()} == {"model": 0, "decode": 0}
     assert summary["results"]["decode"]["json"]["benchmark"] == "decode"
+    # control: an unknown stage name is refused before anything runs
+    bad = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), str(tmp_path / "bad")],
+                         env=dict(env, TLT_GPU_BENCH_STAGES="model,decod"), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown stage 'decod'" in bad.stderr

@@ -407,3 +407,12 @@ def test_above_the_gate_the_capture_follows_whether_any_bucket_is_open(sharp_lla
     assert bandit.ledger_seconds(bandit.bucket(3)) == -5.0  # control: below the gate the step's bucket is charged
     bandit.closed = [True] * len(bandit.closed)
     assert not spec.capturing(40) and not spec.capturing(1)
+
+
+def test_max_draft_len_covers_every_fixed_arm():
+    """The headroom the engine reserves past a row's end covers what a fixed arm's verify step writes: a tree of
+    depth x top-k drafts when num_draft_tokens is unset (control: the 64-position floor alone would not)."""
+    from tlt.speculative.config import SpecConfig
+    wide = SpecConfig(method="eagle", adaptive=False, num_speculative_tokens=8, draft_topk=10)
+    assert wide.max_draft_len() >= 80 > 64
+    assert SpecConfig(method="eagle", adaptive=False, num_speculative_tokens=4).max_draft_len() == 64

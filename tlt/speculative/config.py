@@ -92,4 +92,5 @@ class SpecConfig:
 
     def max_draft_len(self) -> int:
         """Upper bound on positions one verify step writes past a sequence's end (for cache headroom)."""
-        return max(64, 2 * self.num_speculative_tokens, self.num_draft_tokens or 0)
+        k = self.num_speculative_tokens
+        return max(64, 2 * k, self.num_draft_tokens or k * self.draft_topk)
