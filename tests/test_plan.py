@@ -81,7 +81,7 @@ def test_kv_cache_with_cuda_graphs_holds_every_slot_at_rounded_capacity(tiny_lla
     per_position = m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2  # bf16 on CUDA
     graphed = memory_plan(load_config(None, base), m, 1).bytes("kv cache")
     eager = memory_plan(load_config(None, base + ["rollout.enforce_eager=true"]), m, 1).bytes("kv cache")
-    headroom = load_config(None, base).speculative.max_draft_len() + 1  # what the engine reserves at admission
+    headroom = load_config(None, base).speculative.cache_headroom()  # what the engine reserves at admission
     capacity = -(-(100 + 300 + headroom) // ROUND) * ROUND
     assert graphed == 64 * capacity * per_position
     assert eager == 8 * 480 * per_position  # 8 responses running, 400 + 65 positions rounded up to 32

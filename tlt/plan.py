@@ -192,7 +192,7 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
     # draft tree past a row's end), reserved at admission (LLMEngine.attach_speculator)
     graphs = on_cuda and not cfg.rollout.enforce_eager
     step = ROUND if graphs else 32
-    headroom = cfg.speculative.max_draft_len() + 1 if cfg.speculative.enabled else 0
+    headroom = cfg.speculative.cache_headroom() if cfg.speculative.enabled else 0
     capacity = -(-(P + R + headroom) // step) * step
     kv = _kv_bytes(cfg, m, responses, capacity, m.num_layers, graphs)
     rows.append(Row("kv cache", kv, "rollout.max_num_seqs"))

@@ -94,3 +94,8 @@ class SpecConfig:
         """Upper bound on positions one verify step writes past a sequence's end (for cache headroom)."""
         k = self.num_speculative_tokens
         return max(64, 2 * k, self.num_draft_tokens or k * self.draft_topk)
+
+    def cache_headroom(self) -> int:
+        """Positions past a sequence's worst-case length that its steps may write (a verified tree and the root; the
+        drafter's padded catch-up): reserved in the KV caches at admission and in each row's hidden-state record."""
+        return self.max_draft_len() + 1

@@ -63,9 +63,8 @@ class SpecDecoder:
         self._speculating = False  # inside an SD step, whose measured time already includes its capture
         self.drafter_version = 0
         self.reset_stats()
-        # room for a verify step's drafts past a row's end, and for the drafter's padded catch-up and drafts
         engine.attach_speculator(self, slot_caches=(self.dcache,) if self.dcache is not None else (),
-                                 headroom=cfg.max_draft_len() + 1)
+                                 headroom=cfg.cache_headroom())
 
     @classmethod
     def from_config(cls, engine, config: dict) -> "SpecDecoder":
@@ -141,7 +140,7 @@ class SpecDecoder:
         t0 = time.perf_counter()
         for i, s in enumerate(seqs):
             # zeros: positions decoded while their bucket was closed keep no state, and the drafter reads zeros there
-            h = torch.zeros(s.max_total_len + self.cfg.max_draft_len() + 1, hidden.shape[-1], dtype=hidden.dtype,
+            h = torch.zeros(s.max_total_len + self.cfg.cache_headroom(), hidden.shape[-1], dtype=hidden.dtype,
                             device=hidden.device)
             h[:len(s.prompt_ids)] = hidden[i, :len(s.prompt_ids)]
             self.hist[s.seq_id], self.dcached[s.seq_id] = h, 0
