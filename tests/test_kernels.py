@@ -40,7 +40,7 @@ def test_kernels_build_wherever_the_cpu_and_compiler_allow():
     """A missing source or header (say, not shipped as package data) must fail here, not silently fall back to
     torch and skip the kernel tests."""
     import shutil
-    if kernels._cpu_capability() not in ("AVX2", "AVX512") or not (shutil.which("cc") or shutil.which("gcc")):
+    if kernels.cpu_capability() not in ("AVX2", "AVX512") or not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("this machine cannot build the kernels (no AVX2 or no C compiler)")
     assert kernels.small_gemm_lib() is not None
 
@@ -490,7 +490,7 @@ def test_greedy_logprobs_kernel_is_argmax_and_token_logprobs(V):
     assert greedy(x)[0][6] == 5  # torch's rule: a NaN is the maximum
 
 
-needs_avx512 = pytest.mark.skipif(kernels.small_gemm_lib() is None or kernels._cpu_capability() != "AVX512",
+needs_avx512 = pytest.mark.skipif(kernels.small_gemm_lib() is None or kernels.cpu_capability() != "AVX512",
                                   reason="no AVX-512: the fp32 kernels' two layouts cannot be compared here")
 
 

@@ -21,14 +21,27 @@ def _cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+@functools.cache  # asked on every inference matmul: the answer never changes in a process
+def cpu_capability() -> str:
+    """The instruction set torch dispatches its CPU kernels to: "AVX512", "AVX2", "DEFAULT", ... It is the CPU's
+    best unless PyTorch's ATEN_CPU_CAPABILITY lowers it, and tlt follows it: with ATEN_CPU_CAPABILITY=avx2 tlt's own
+    kernels use their AVX2 layout and `auto` picks fp32, as on a CPU without AVX-512 (docs/design.md §10)."""
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except AttributeError:  # older torch
+        return "DEFAULT"
+
+
 def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bf16 matrix instructions (avx512_bf16 or AMX): bf16 decode is ~2x fp32 there."""
-    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    """True when the CPU has native bf16 matrix instructions (avx512_bf16 or AMX) and torch may use AVX-512: bf16
+    decode is ~2x fp32 there."""
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"}) and cpu_capability() == "AVX512"
 
 
 def cpu_has_avx512_bf16() -> bool:
-    """True when the CPU has AVX512-BF16 (vdpbf16ps), which tlt's bf16 small-row matmul kernel needs."""
-    return "avx512_bf16" in _cpu_flags()
+    """True when the CPU has AVX512-BF16 (vdpbf16ps), which tlt's bf16 small-row matmul kernel needs, and torch may
+    use AVX-512."""
+    return "avx512_bf16" in _cpu_flags() and cpu_capability() == "AVX512"
 
 
 def resolve_device(device: str = "auto") -> torch.device:

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tlt.cache import build_atomically, cache_root
-from tlt.device import cpu_has_avx512_bf16
+from tlt.device import cpu_capability, cpu_has_avx512_bf16
 
 BACKENDS = ("auto", "torch", "onednn", "small_gemm", "fused")
 # measured: 2.3x MKL at 4 rows (one core), 1.1-1.3x at 128-512 rows, 0.85x at 1024 (AVX2 EPYC, two cores). Its rows
@@ -102,16 +102,14 @@ def fp32_layout(wide: bool):
     try:
         yield
     finally:
-        lib.tlt_fp32_set_layout(-1)
+        lib.tlt_fp32_set_layout(_isa_layout())
         repack()
 
 
-@functools.cache  # asked on every inference matmul: the answer never changes in a process
-def _cpu_capability() -> str:
-    try:
-        return torch.backends.cpu.get_cpu_capability()
-    except AttributeError:  # older torch
-        return "DEFAULT"
+def _isa_layout() -> int:
+    """The fp32 kernels' layout torch's instruction set allows: 1 = AVX-512 (the C side keeps it only where the CPU
+    has AVX-512), 0 = AVX2, as with ATEN_CPU_CAPABILITY=avx2."""
+    return int(cpu_capability() == "AVX512")
 
 
 def small_gemm_lib():
@@ -120,8 +118,8 @@ def small_gemm_lib():
     if _state["lib"] is None:
         _state["lib"] = False
         try:
-            if _cpu_capability() not in ("AVX2", "AVX512"):
-                raise RuntimeError(f"this CPU has no AVX2 (torch reports {_cpu_capability()})")
+            if cpu_capability() not in ("AVX2", "AVX512"):
+                raise RuntimeError(f"this CPU has no AVX2 (torch reports {cpu_capability()})")
             cc = shutil.which("cc") or shutil.which("gcc")
             if cc is None:
                 raise RuntimeError("no C compiler (cc) on PATH")
@@ -148,6 +146,7 @@ def small_gemm_lib():
             lib.tlt_pack_bf16.argtypes = [vp, i32, i32, vp]
             lib.tlt_small_gemm_bf16.argtypes = [vp, i32, i32, i64, vp, i32, vp, vp, vp, i32]
             lib.tlt_decode_layer_bf16.argtypes = lib.tlt_decode_layer.argtypes
+            lib.tlt_fp32_set_layout(_isa_layout())
             _state["lib"] = lib
         except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", None) or e
@@ -171,7 +170,7 @@ def matmul_path(x: torch.Tensor, weight: torch.Tensor) -> str:
         return "small_gemm_bf16"
     if (b in ("auto", "onednn") and _state["onednn"] and (weight.dtype == torch.bfloat16 or
                                                           (weight.dtype == torch.float32 and
-                                                           (b == "onednn" or _cpu_capability() == "AVX512")))):
+                                                           (b == "onednn" or cpu_capability() == "AVX512")))):
         return "onednn"
     return "torch"
 

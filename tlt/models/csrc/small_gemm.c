@@ -34,8 +34,9 @@ static int wide(void) {
 // Columns per panel of the packed layout (kernels.py sizes the packed weight with it).
 int tlt_fp32_panel_width(void) { return wide() ? WPANEL : PANEL; }
 
-// Tests: 0 forces the AVX2 layout, 1 the AVX-512 one where the CPU has it, -1 goes back to the CPU's choice.
-// Weights packed before a change must be packed again.
+// 0 = the AVX2 layout, 1 = the AVX-512 one where the CPU has it, -1 = the CPU's choice. kernels.py sets it at load
+// from torch's instruction set (ATEN_CPU_CAPABILITY=avx2 gives 0); tests switch it. Weights packed before a change
+// must be packed again.
 void tlt_fp32_set_layout(int w) { wide_layout = w < 0 ? -1 : (w && __builtin_cpu_supports("avx512f")); }
 
 void tlt_pack(const float* w, int N, int K, float* out) {

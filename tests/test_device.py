@@ -1,0 +1,48 @@
+"""Device and dtype resolution (tlt/device.py): tlt follows the instruction set torch dispatches to."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tlt.device import cpu_capability, cpu_has_avx512_bf16
+
+_PROBE = """
+import json, torch
+from tlt.device import cpu_capability, cpu_has_avx512_bf16, resolve_dtype
+from tlt.models import kernels
+lib = kernels.small_gemm_lib()
+w = torch.randn(64, 32, dtype=torch.bfloat16)  # a model's weight: made outside inference mode
+with torch.inference_mode():
+    path_bf16 = kernels.matmul_path(torch.randn(2, 32, dtype=torch.bfloat16), w)
+print(json.dumps({"isa": cpu_capability(), "dtype": str(resolve_dtype("auto", "cpu")),
+                  "panel": lib.tlt_fp32_panel_width() if lib else None, "bf16_path": path_bf16}))
+"""
+
+
+def _probe(capability: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    if capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = capability
+    out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(cpu_capability() != "AVX512" or not cpu_has_avx512_bf16(),
+                    reason="needs an avx512_bf16 CPU: only there does lowering torch's instruction set change tlt's")
+def test_aten_cpu_capability_avx2_runs_tlt_as_on_an_avx2_cpu():
+    """ATEN_CPU_CAPABILITY=avx2 (PyTorch's own switch) makes tlt choose what it chooses on a CPU without AVX-512:
+    fp32 for dtype=auto, the fp32 kernels' AVX2 layout (panels of 16 columns), no bf16 kernel. Control: the same
+    probe without the variable, on this avx512_bf16 CPU, picks bf16, panels of 64 and the bf16 kernel."""
+    native = _probe(None)
+    assert native == {"isa": "AVX512", "dtype": "torch.bfloat16", "panel": native["panel"],
+                      "bf16_path": "small_gemm_bf16"}
+    assert native["panel"] in (64, None)
+    avx2 = _probe("avx2")
+    assert avx2["isa"] == "AVX2" and avx2["dtype"] == "torch.float32" and avx2["bf16_path"] != "small_gemm_bf16"
+    assert avx2["panel"] in (16, None) and (avx2["panel"] is None) == (native["panel"] is None)
+
