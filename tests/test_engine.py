@@ -188,6 +188,35 @@ def test_kv_budget_admission_never_overflows(tiny_llama_dir):
     assert llm.engine.kv.capacity <= 128
 
 
+def test_kv_budget_counts_the_speculators_headroom():
+    """The budget bounds what the caches will hold: every admitted slot at the longest worst-case length plus the
+    positions a speculator's step may write past it. Control: with no headroom the same budget admits one more."""
+    from tlt.engine.scheduler import Scheduler
+    from tlt.engine.sequence import Sequence
+
+    class Cache:  # records what admission asks the caches for
+        num_slots = 8
+
+        def ensure_capacity(self, length, slots):
+            self.asked = (length, slots)
+
+    def admitted(headroom: int) -> tuple[int, tuple[int, int]]:
+        cache = Cache()
+        sched = Scheduler(cache, max_num_seqs=8, max_cache_tokens=4 * 40)  # room for 4 rows of 40 positions
+        sched.headroom = headroom
+        for i in range(6):
+            sched.add(Sequence(i, i, 0, i, [1] * 10, tlt.SamplingParams(max_tokens=30), torch.Generator()))
+        return len(sched.admit()), cache.asked
+    n, (length, slots) = admitted(headroom=5)
+    assert n == 3 and (length, slots) == (45, 3) and length * slots <= 4 * 40
+    assert admitted(headroom=0) == (4, (40, 4))
+
+
+def test_kv_cache_tokens_must_be_positive(tiny_llama_dir):
+    with pytest.raises(ValueError, match="kv_cache_tokens=0"):
+        tlt.LLM(tiny_llama_dir, dtype="float32", kv_cache_tokens=0)
+
+
 def test_huge_max_tokens_stops_at_the_context_limit(tiny_llama_dir):
     """max_tokens far past max_model_len ("until EOS", as vLLM users write it) reserves cache for the context
     limit only, and the output ends there with finish_reason "length"."""

@@ -56,7 +56,9 @@ class LLMEngine:
         model.attention_backend, model.flex_in_graphs = resolve_backend(attention, self.device)
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len or model.cfg.max_position_embeddings
-        kv_cache_tokens = kv_cache_tokens or max_num_seqs * self.max_model_len
+        if kv_cache_tokens is not None and kv_cache_tokens < 1:
+            raise ValueError(f"kv_cache_tokens={kv_cache_tokens}: give a positive number of positions, or None for "
+                             f"no budget beyond max_num_seqs")
         self.kv = KVCache(model.cfg, max_num_seqs, self.dtype, self.device)
         self.scheduler = Scheduler(self.kv, max_num_seqs, kv_cache_tokens)
         # on CUDA, decode and verification replay captured graphs unless enforce_eager (vLLM's switch)

@@ -1,8 +1,8 @@
 """Scheduler: admission under a KV-cache budget, slot assignment and compaction.
 
 A sequence is admitted only if, with it, every running sequence still fits in the cache at its worst-case length
-(prompt + max_tokens): generation can never run out of KV memory mid-sequence, so there is no OOM and no
-preemption. Running sequences hold slots 0..B-1 in slot order. Within one admission, sequences whose prompt is
+(prompt + max_tokens) plus the speculator's headroom: generation can never run out of KV memory mid-sequence, so
+there is no OOM and no preemption. Running sequences hold slots 0..B-1 in slot order. Within one admission, sequences whose prompt is
 already in the block (the n samples of a request, GRPO's group) take the slots after all first occurrences, so
 the runner prefills each distinct prompt once, in consecutive slots, and copies its K/V to the others.
 """
@@ -15,10 +15,10 @@ from tlt.engine.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, max_num_seqs: int, max_cache_tokens: int):
+    def __init__(self, kv: KVCache, max_num_seqs: int, max_cache_tokens: int | None = None):
         self.kv = kv
         self.max_num_seqs = min(max_num_seqs, kv.num_slots)
-        self.max_cache_tokens = max_cache_tokens
+        self.max_cache_tokens = max_cache_tokens  # positions over all slots; None: only max_num_seqs bounds
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.slot_caches: list[KVCache] = []  # slot-indexed caches that move with their rows (drafter's)
@@ -44,8 +44,9 @@ class Scheduler:
             seq = self.waiting[0]
             new_longest = max(longest, seq.max_total_len)
             n = len(self.running) + len(admitted)
-            if (n + 1) * new_longest > self.max_cache_tokens and n:
-                break
+            if (self.max_cache_tokens is not None and n
+                    and (n + 1) * (new_longest + self.headroom) > self.max_cache_tokens):
+                break  # the budget is what the caches will hold: every slot at the longest length plus headroom
             self.waiting.popleft()
             longest = new_longest
             admitted.append(seq)
