@@ -157,6 +157,33 @@ def test_no_cache_grows_mid_rollout(tiny_llama_dir, cpu_drafter, reserved):
     assert (len(caches) == 1) == reserved, caches
 
 
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "control"])
+def test_catch_up_beside_a_new_row_keeps_the_drafter_cache(tiny_llama_dir, cpu_drafter, chunked):
+    """A row admitted beside a deep one catches the drafter up over its whole prompt; the eager catch-up runs in
+    passes no longer than the headroom, so the deep row's padding stays within its reserve and the drafter cache
+    does not grow. Control: in one pass (the whole 141 positions) the deep row, ~100 positions in, writes its
+    padding past its 154 + headroom reserved positions and the cache grows. Outputs equal plain decoding's."""
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=2)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (4, 4, 140)]
+    params = [tlt.SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (150, 100, 4)]
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    spec = SpecDecoder(llm.engine, SpecConfig(method="eagle", bs_threshold=None, adaptive=False, **CHAIN),
+                       cpu_drafter)
+    if not chunked:
+        spec.catch_up_chunk = 10**9
+    grown, ensure = [], spec.dcache.ensure_capacity
+
+    def watched(length, slots=None):
+        before = spec.dcache.capacity
+        ensure(length, slots)
+        grown.append(spec.dcache.capacity > before > 0)
+    spec.dcache.ensure_capacity = watched
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == plain and spec.stats()["spec_on_fraction"] > 0
+    assert any(grown) != chunked
+
+
 def test_bandit_skips_steps_that_captured_a_graph(tiny_llama_dir, cpu_drafter, monkeypatch):
     """A step that captured a graph costs many plain steps once: the adaptive policy must not learn from it (an
     "off" step timed with a capture made every SD arm look 30x faster on an H100). Captures are simulated on CPU:

@@ -59,6 +59,8 @@ class SpecDecoder:
                                                pool=pool) if pool is not None else None
         self.hist: dict[int, torch.Tensor] = {}   # seq_id -> [max_total_len, H] target hidden h_t per position
         self.dcached: dict[int, int] = {}         # seq_id -> committed drafter-cache entries (positions 1..n)
+        # the eager catch-up's longest pass: a row's padding then stays within the headroom its caches reserve
+        self.catch_up_chunk = cfg.max_draft_len()
         self.low_steps = 0
         self._speculating = False  # inside an SD step, whose measured time already includes its capture
         self.drafter_version = 0
@@ -283,12 +285,32 @@ class SpecDecoder:
     def _drafter_catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
         """Extend the drafter cache with (h_{t-1}, x_t) for every position t not in it yet, through each row's
         last token n; return the drafter's predicted hidden state at n [B, H] (the tree root's)."""
-        dev = self.engine.device
         starts = [self.dcached[s.seq_id] + 1 for s in seqs]     # first missing position per row
         ends = [s.num_cached for s in seqs]                      # last token's position n
         T = max(e - st + 1 for st, e in zip(starts, ends))
         graphed = self.draft_graphs.catch_up_length(T) if self.draft_graphs is not None else None
-        T = graphed or T  # a graphed catch-up runs at one of a few padded lengths
+        if graphed:  # a graphed catch-up runs at one of a few padded lengths
+            return self._catch_up_pass(seqs, starts, ends, graphed, graphed=True)
+        # Eagerly, in passes of at most max_draft_len positions: every row is padded to the pass's length, so one
+        # pass over a newly admitted row's whole prompt would write a deep row's padding past the headroom its
+        # caches reserve (SpecConfig.cache_headroom), growing the drafter cache (docs/design.md §9).
+        chunk = self.catch_up_chunk
+        out = None
+        while True:
+            stops = [min(e, st + chunk - 1) for st, e in zip(starts, ends)]
+            T = max(stop - st + 1 for st, stop in zip(starts, stops))
+            pred = self._catch_up_pass(seqs, starts, stops, T, graphed=False)
+            ended = torch.tensor([st <= e == stop for st, e, stop in zip(starts, ends, stops)], device=pred.device)
+            out = pred if out is None else torch.where(ended[:, None], pred, out)
+            starts = [stop + 1 for stop in stops]
+            if all(st > e for st, e in zip(starts, ends)):
+                return out
+
+    def _catch_up_pass(self, seqs: list[Sequence], starts: list[int], ends: list[int], T: int,
+                       graphed: bool) -> torch.Tensor:
+        """One drafter forward over positions starts..ends of each row (none where start > end), padded to T;
+        returns the prediction at each row's last position [B, H] (undefined for a row with none)."""
+        dev = self.engine.device
         H = self.model.cfg.hidden_size
         hid = torch.zeros(len(seqs), T, H, dtype=self.engine.dtype, device=dev)
         torch._foreach_copy_([hid[i, :e - st + 1] for i, (st, e) in enumerate(zip(starts, ends))],
@@ -298,12 +320,12 @@ class SpecDecoder:
         ids, pos = host_tensor([[s.all_ids()[st:e + 1] + [0] * k for s, st, e, k in zip(seqs, starts, ends, pad)],
                                 [list(range(st, e + 1)) + [0] * k for st, e, k in zip(starts, ends, pad)]], dev)
         cached = [st - 1 for st in starts]
-        lens, last = host_tensor([cached, [e - st for st, e in zip(starts, ends)]], dev)
+        lens, last = host_tensor([cached, [max(e - st, 0) for st, e in zip(starts, ends)]], dev)
         for s, e in zip(seqs, ends):
             self.dcached[s.seq_id] = e
         if graphed:
             return self.draft_graphs.catch_up(hid, ids, pos, lens, last, max(cached))
-        # rows are padded to T, so a row deep into SD writes its padding up to (its cached entries) + T
+        # rows are padded to T, so a row writes its padding up to (its cached entries) + T
         self.dcache.ensure_capacity(max(cached) + T)
         with torch.inference_mode():  # static with the graphs: nothing read from the device
             out = self.drafter(hid, ids, pos, self.dcache.view(lens, static=self.draft_graphs is not None))
