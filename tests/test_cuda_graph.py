@@ -184,6 +184,26 @@ def test_catch_up_beside_a_new_row_keeps_the_drafter_cache(tiny_llama_dir, cpu_d
     assert any(grown) != chunked
 
 
+def test_catch_up_in_passes_predicts_what_one_pass_does(tiny_llama_dir, cpu_drafter):
+    """The passes' root predictions equal one pass's (each row's from the pass that reached its last position,
+    rows of different lengths, later passes where some rows have no positions left); the same greedy rollout
+    calls the catch-up alike in both engines."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (3, 11, 26)]
+    preds = {}
+    for chunk in (4, 10**9):
+        llm = tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=4)
+        spec = SpecDecoder(llm.engine, SpecConfig(method="eagle", bs_threshold=None, adaptive=False, **CHAIN),
+                           cpu_drafter)
+        spec.catch_up_chunk, calls, catch_up = chunk, [], spec._drafter_catch_up
+        spec._drafter_catch_up = lambda seqs: calls.append(catch_up(seqs)) or calls[-1]
+        llm.generate(prompts, tlt.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        preds[chunk] = calls
+    assert len(preds[4]) == len(preds[10**9]) > 1
+    for a, b in zip(preds[4], preds[10**9]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_bandit_skips_steps_that_captured_a_graph(tiny_llama_dir, cpu_drafter, monkeypatch):
     """A step that captured a graph costs many plain steps once: the adaptive policy must not learn from it (an
     "off" step timed with a capture made every SD arm look 30x faster on an H100). Captures are simulated on CPU:

@@ -25,7 +25,7 @@ def _cpu_flags() -> frozenset[str]:
 def cpu_capability() -> str:
     """The instruction set torch dispatches its CPU kernels to: "AVX512", "AVX2", "DEFAULT", ... It is the CPU's
     best unless PyTorch's ATEN_CPU_CAPABILITY lowers it, and tlt follows it: with ATEN_CPU_CAPABILITY=avx2 tlt's own
-    kernels use their AVX2 layout and `auto` picks fp32, as on a CPU without AVX-512 (docs/design.md §10)."""
+    kernels use their AVX2 layout and `auto` picks fp32, as on a CPU without AVX-512 (docs/design.md §9)."""
     try:
         return torch.backends.cpu.get_cpu_capability()
     except AttributeError:  # older torch

@@ -1,10 +1,11 @@
 """Scheduler: admission under a KV-cache budget, slot assignment and compaction.
 
-A sequence is admitted only if, with it, every running sequence still fits in the cache at its worst-case length
-(prompt + max_tokens) plus the speculator's headroom: generation can never run out of KV memory mid-sequence, so
-there is no OOM and no preemption. Running sequences hold slots 0..B-1 in slot order. Within one admission, sequences whose prompt is
-already in the block (the n samples of a request, GRPO's group) take the slots after all first occurrences, so
-the runner prefills each distinct prompt once, in consecutive slots, and copies its K/V to the others.
+A sequence is admitted only if, with it, every running sequence still fits in the budget at its worst-case
+length (prompt + max_tokens) plus the speculator's headroom: generation can never run out of KV memory
+mid-sequence, so there is no OOM and no preemption. Running sequences hold slots 0..B-1 in slot order. Within
+one admission, sequences whose prompt is already in the block (the n samples of a request, GRPO's group) take the
+slots after all first occurrences, so the runner prefills each distinct prompt once, in consecutive slots, and
+copies its K/V to the others.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class Scheduler:
             n = len(self.running) + len(admitted)
             if (self.max_cache_tokens is not None and n
                     and (n + 1) * (new_longest + self.headroom) > self.max_cache_tokens):
-                break  # the budget is what the caches will hold: every slot at the longest length plus headroom
+                break  # the worst case of the rows admitted together: each at the longest length plus headroom
             self.waiting.popleft()
             longest = new_longest
             admitted.append(seq)

@@ -93,7 +93,7 @@ class SpecConfig:
     def max_draft_len(self) -> int:
         """Upper bound on positions one verify step writes past a sequence's end (for cache headroom)."""
         k = self.num_speculative_tokens
-        return max(64, 2 * k, self.num_draft_tokens or k * self.draft_topk)
+        return max(64, 2 * k, self.num_draft_tokens or 0, k * self.draft_topk)  # the eager draft writes depth x top-k
 
     def cache_headroom(self) -> int:
         """Positions past a sequence's worst-case length that its steps may write (a verified tree and the root; the

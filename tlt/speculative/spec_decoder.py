@@ -300,8 +300,11 @@ class SpecDecoder:
             stops = [min(e, st + chunk - 1) for st, e in zip(starts, ends)]
             T = max(stop - st + 1 for st, stop in zip(starts, stops))
             pred = self._catch_up_pass(seqs, starts, stops, T, graphed=False)
-            ended = torch.tensor([st <= e == stop for st, e, stop in zip(starts, ends, stops)], device=pred.device)
-            out = pred if out is None else torch.where(ended[:, None], pred, out)
+            if out is None:
+                out = pred
+            else:  # a row's prediction comes from the pass that reached its last position
+                ended = host_tensor([st <= e == stop for st, e, stop in zip(starts, ends, stops)], pred.device)
+                out = torch.where(ended[:, None], pred, out)
             starts = [stop + 1 for stop in stops]
             if all(st > e for st, e in zip(starts, ends)):
                 return out
