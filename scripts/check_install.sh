@@ -24,7 +24,7 @@ where = Path(tlt.__file__).parent
 assert "site-packages" in str(where), f"imported the source tree, not the install: {where}"
 missing = [f.name for f in kernels._SRCS if not f.is_file()]
 assert not missing, f"kernel sources missing from the installed package: {missing}"
-capable = kernels._cpu_capability() in ("AVX2", "AVX512") and (shutil.which("cc") or shutil.which("gcc"))
+capable = kernels.cpu_capability() in ("AVX2", "AVX512") and (shutil.which("cc") or shutil.which("gcc"))
 if capable:
     assert kernels.small_gemm_lib() is not None, "the installed package could not build its C kernels"
     with torch.no_grad():  # an ordinary (not inference-mode) weight, as a model's
