@@ -190,8 +190,8 @@ def test_kv_budget_admission_never_overflows(tiny_llama_dir):
 
 
 def test_kv_budget_counts_the_speculators_headroom():
-    """The budget bounds what the caches will hold: every admitted slot at the longest worst-case length plus the
-    positions a speculator's step may write past it. Control: with no headroom the same budget admits one more."""
+    """The budget bounds the worst case of the rows admitted together: each at the longest worst-case length plus
+    the positions a speculator's step may write past it. Control: with no headroom the same budget admits one more."""
     from tlt.engine.scheduler import Scheduler
     from tlt.engine.sequence import Sequence
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import hashlib
 import shutil
 import subprocess

@@ -91,7 +91,8 @@ class SpecConfig:
         return bounds, [[a for a in arms if keep(a)] or [OFF] for arms in table]
 
     def max_draft_len(self) -> int:
-        """Upper bound on positions one verify step writes past a sequence's end (for cache headroom)."""
+        """Upper bound on positions one SD step writes past a sequence's end: the verified tree in the target's cache,
+        the eager draft (depth x top-k) and a catch-up pass in the drafter's (for cache headroom)."""
         k = self.num_speculative_tokens
         return max(64, 2 * k, self.num_draft_tokens or 0, k * self.draft_topk)  # the eager draft writes depth x top-k
 
