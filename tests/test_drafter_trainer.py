@@ -257,7 +257,7 @@ def test_ttt_steps_reach_the_online_and_replica_trainers(tiny_llama_dir, tmp_pat
     drafter_dir = save_drafter(Drafter(plain.engine.model.cfg), tmp_path / "d")
     llm = tlt.LLM(tiny_llama_dir, dtype="float32", speculative_config={"method": "eagle", "model": str(drafter_dir)})
     cfg = DrafterTrainConfig(min_buffer_tokens=0, batch_tokens=64, window_len=16, holdout_fraction=0.0,
-                             compare_drafters=False, ttt_steps=2)
+                             compare_drafters=False, ttt_steps=2, backoff_max_steps=0)  # no SD ran: a round anyway
     hook = OnlineDrafterHook(cfg, llm.spec)
     outs = plain.generate([[3, 5, 7, 9]] * 4, tlt.SamplingParams(temperature=1.0, max_tokens=24, seed=1,
                                                                return_hidden_states=True, ignore_eos=True))
@@ -357,7 +357,10 @@ def test_rounds_back_off_while_they_do_not_pay_for_themselves(tiny_llama_dir, tm
     assert rounds(8, 1e3, gains=False) == every_step   # control: SD saved more than a round costs
     assert skipped(rounds(8, 1e-6, gains=False)) == [1, 2, 4]  # SD saved time, but less than a round costs
     assert rounds(8, 0.0, gains=True) == every_step    # control: the rounds raise the accept length, worth 10 s
-    assert skipped(rounds(8, 0.0, gains=True, sd_time_s=0.0)) == [1, 2, 4]  # a gain where SD ran no step: nothing
+    # a gain where SD ran no step is worth nothing: spot rounds back off; after the update no round runs at all
+    # (test_a_round_after_the_update_spends_at_most_what_sd_could_save)
+    ran = rounds(8, 0.0, gains=True, sd_time_s=0.0)
+    assert skipped(ran) == [1, 2, 4] if spot else ran == [], ran
     # a round judged on the next step's responses: gains on its own step's held-out slice only (the same prompts as
     # its training data) do not hold the back-off off; the first round, with nothing to judge yet, counts its own
     ran, *_ = run(make(8, gains=True, gains_on_fresh=False), 0.0, range(1, 15))
@@ -392,6 +395,91 @@ def test_rounds_back_off_while_they_do_not_pay_for_themselves(tiny_llama_dir, tm
     # the drafter comparison skips with the rounds (control: every step without the back-off)
     compared = [run(make(m, gains=False, compare=True), 0.0, range(1, 15))[2] for m in (8, 0)]
     assert 0 < compared[0] < compared[1], compared
+
+
+
+def test_a_round_after_the_update_spends_at_most_what_sd_could_save(tiny_llama_dir, tmp_path, monkeypatch):
+    """With spot off and the back-off on, a turn's budget is plain decoding's time for the rollout's SD steps'
+    tokens (SD's net saving plus the SD steps' time: what a drafter that made them free would earn), times
+    every_k_steps. A turn whose budget does not exceed what the latest round added to its step (0 before any) runs
+    neither the round nor the drafter comparison, and drops its training; a round starts no drafter step once its
+    budget, less the comparison's time, is spent, and one that took none is not evaluated again. Controls: with
+    the back-off off, or with spot, rounds run on a rollout where SD ran no step and take every step they planned."""
+    import time
+
+    import tlt
+    from tlt.config import DrafterTrainConfig
+    from tlt.drafter_train.online import OnlineDrafterHook
+    from tlt.drafter_train.trainer import TrainStats
+    from tlt.speculative.drafter_io import save_drafter
+
+    plain = tlt.LLM(tiny_llama_dir, dtype="float32")
+    drafter_dir = save_drafter(Drafter(plain.engine.model.cfg), tmp_path / "d")
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", speculative_config={"method": "eagle", "model": str(drafter_dir)})
+    outs = plain.generate([[3, 5, 7, 9]] * 8, tlt.SamplingParams(temperature=1.0, max_tokens=24, seed=1,
+                                                               return_hidden_states=True, ignore_eos=True))
+    clock = [0.0]  # seconds pass only in the drafter's steps (1 s each) and its comparison (0.5 s)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    def make(backoff_max_steps=8, spot=False, every_k_steps=1):
+        cfg = DrafterTrainConfig(min_buffer_tokens=0, batch_tokens=64, window_len=16, holdout_fraction=0.25,
+                                 compare_drafters=True, backoff_max_steps=backoff_max_steps,
+                                 every_k_steps=every_k_steps)
+        hook = OnlineDrafterHook(cfg, llm.spec, spot=spot)
+        hook.session_steps = lambda: 10  # each round plans 10 drafter steps
+        evaluated = []
+
+        def train_steps(buffer, max_steps, stop_flag=None, step=None):
+            done = 0
+            while done < max_steps and not (stop_flag is not None and stop_flag()):
+                clock[0] += 1.0
+                done += 1
+            return TrainStats(steps=done)
+
+        def evaluate(batch, **kw):
+            evaluated.append(batch)
+            return {"acc": 0.5, "accept_proxy": 1.5}
+
+        def compare():
+            clock[0] += 0.5
+            return {"drafter/compare/time_s": 0.5, "drafter/compare/tokens": 1.0}
+        hook.trainer.train_steps, hook.trainer.evaluate, hook.compare_drafters = train_steps, evaluate, compare
+        return hook, evaluated
+
+    def step(hook, n, sd_time_s, sd_saved_s=0.0):
+        """One RL step whose rollout's SD steps took sd_time_s and saved sd_saved_s; its drafter metrics."""
+        hook.before_rollout(n)
+        llm.spec.reset_stats()
+        llm.spec.st["sd_step_time_s"], llm.spec.st["plain_equiv_s"] = sd_time_s, sd_time_s + sd_saved_s
+        hook.rollout_done(n)
+        return hook.after_rollout(n, None, outs)
+
+    hook, evaluated = make()
+    m = step(hook, 1, sd_time_s=0.0)  # SD ran no step: nothing to earn
+    assert m["drafter/steps"] == 0 and "drafter/compare/tokens" not in m and not evaluated and hook.new_tokens == 0
+    m = step(hook, 2, sd_time_s=2.0, sd_saved_s=1.0)  # budget 3 s, 0.5 of it compared: 3 steps start within it
+    assert m["drafter/steps"] == 3 and m["drafter/compare/tokens"] == 1.0
+    assert hook.round_cost == 3.5 and len(evaluated) == 2  # before and after
+    m = step(hook, 3, sd_time_s=3.0, sd_saved_s=0.5)  # budget 3.5 s: not above what the latest round cost
+    assert m["drafter/steps"] == 0 and "drafter/compare/tokens" not in m and len(evaluated) == 2
+    m = step(hook, 4, sd_time_s=1.0, sd_saved_s=-0.5)  # SD lost time: the budget is what plain decoding would take
+    assert m["drafter/steps"] == 0
+    m = step(hook, 5, sd_time_s=8.0)  # budget 8 s: the round runs again, bounded by it
+    assert m["drafter/steps"] == 8 and hook.round_cost == 8.5
+    # a round whose comparison spent its budget takes no step and is not evaluated again
+    hook, evaluated = make()
+    assert step(hook, 1, sd_time_s=0.4)["drafter/steps"] == 0 and len(evaluated) == 1
+    # every_k_steps: a turn's budget counts the rollouts of a turn
+    hook, _ = make(every_k_steps=2)
+    assert step(hook, 1, sd_time_s=2.0)["drafter/steps"] == 0  # not its turn
+    assert step(hook, 2, sd_time_s=2.0)["drafter/steps"] == 4  # 2 x 2 s, less 0.5 compared: 4 steps start
+    # controls: the back-off off, or spot, leave the rounds unbounded
+    hook, evaluated = make(backoff_max_steps=0)
+    m = step(hook, 1, sd_time_s=0.0)
+    assert m["drafter/steps"] == 10 and m["drafter/compare/tokens"] == 1.0 and len(evaluated) == 2
+    hook, _ = make(spot=True)
+    step(hook, 1, sd_time_s=0.0)
+    assert step(hook, 2, sd_time_s=0.0)["drafter/steps"] == 10  # the round on step 1 ran beside rollout 2
 
 
 def test_a_round_judged_worse_on_fresh_responses_is_undone(tiny_llama_dir, tmp_path):

@@ -489,7 +489,7 @@ def test_online_drafter_hook_state_round_trip(tmp_path, tiny_dir):
     opts = {"speculative.enabled": True, "speculative.method": "eagle", "speculative.bs_threshold": 64,
             "speculative.hysteresis_steps": 1, "drafter_train.min_buffer_tokens": 0, "drafter_train.batch_tokens": 128,
             "drafter_train.window_len": 32, "drafter_train.holdout_fraction": 0.0, "trainer.total_steps": 2,
-            "trainer.save_freq": 2}
+            "trainer.save_freq": 2, "drafter_train.backoff_max_steps": 0}  # a round every step, paying or not
     trainer = run(tmp_path / "a", tiny_dir, **opts)
     hook = trainer.drafter_hook
     assert isinstance(hook, OnlineDrafterHook) and hook.version == 2  # no held-out slice: every session publishes
@@ -517,19 +517,19 @@ def test_online_drafter_refuses_a_worse_drafter(tmp_path, tiny_dir):
     from tlt.drafter_train.online import OnlineDrafterHook
 
     class AlwaysWorse(OnlineDrafterHook):
-        def train_session(self, step):
+        def train_session(self, step, budget=None):
             evaluate = self.trainer.evaluate
             scores = iter([{"acc": 0.9, "accept_proxy": 2.0}, {"acc": 0.1, "accept_proxy": 1.0}])
             self.trainer.evaluate = lambda batch, **kw: {**evaluate(batch), **next(scores)}
             try:
-                return super().train_session(step)
+                return super().train_session(step, budget)
             finally:
                 self.trainer.evaluate = evaluate
 
     cfg = load_config(None, make_overrides(tmp_path, tiny_dir, **{
         "speculative.enabled": True, "speculative.method": "eagle", "drafter_train.min_buffer_tokens": 0,
         "drafter_train.batch_tokens": 128, "drafter_train.window_len": 32, "drafter_train.holdout_fraction": 0.5,
-        "trainer.total_steps": 1}))
+        "trainer.total_steps": 1, "drafter_train.backoff_max_steps": 0}))  # the round runs, paying or not
     trainer = GRPOTrainer(cfg, drafter_hook=None)
     trainer.drafter_hook = AlwaysWorse(cfg.drafter_train, trainer.llm.spec)
     before = {k: v.clone() for k, v in trainer.llm.spec.drafter.trainable_state_dict().items()}
@@ -705,7 +705,8 @@ def test_spot_session_trains_alongside_the_next_rollout(tmp_path, tiny_dir):
     opts = {"speculative.enabled": True, "speculative.method": "eagle", "speculative.bs_threshold": 64,
             "speculative.hysteresis_steps": 1, "drafter_train.min_buffer_tokens": 0, "drafter_train.batch_tokens": 128,
             "drafter_train.window_len": 32, "drafter_train.holdout_fraction": 0.0, "drafter_train.compare_drafters":
-            False, "speculative.close_buckets": False}  # both runs keep all their data
+            False, "speculative.close_buckets": False,  # both runs keep all their data
+            "drafter_train.backoff_max_steps": 0}  # and train on every step, paying or not
     spot = run(tmp_path / "spot", tiny_dir, **opts, **{"drafter_train.spot": True, "trainer.total_steps": 3})
     off = run(tmp_path / "off", tiny_dir, **opts, **{"drafter_train.spot": False, "trainer.total_steps": 2})
     assert spot.drafter_hook.spot and not off.drafter_hook.spot

@@ -48,6 +48,12 @@ ran beside (5-15% on a 2-core CPU), so spot rounds back off only where the draft
 publish hands the bandit is the round's own slice's, which errs toward reopening (after an undo, over the weights
 the engine had: the undone round's own gain divided out).
 
+Budget (spot off, back-off on): a drafter can earn a rollout at most plain decoding's time for its SD steps' tokens
+(the worth above with a gain without bound), so over a turn that is what a round after the update may add to its
+step. A turn whose budget does not exceed the latest round's cost (0 before any round) skips the round and the
+comparison and drops its training; a round starts no drafter step once its budget, less the comparison's time, is
+spent, and is not evaluated again if it took none (docs/design.md §5).
+
 The hook's checkpoint state is the published drafter weights, the optimiser, the sampling generator, the
 counters and the buffer (its hidden states too: a resumed run must train on what the uninterrupted one would, to
 end with the same drafter; save_buffer=False leaves it out, and it refills from the next rollouts).
@@ -182,7 +188,9 @@ class OnlineDrafterHook(DrafterHook):
         if not self.spot and self._compare_due():  # spot: in the next step's thread
             metrics.update(self.compare_drafters())
         if not self.spot and self._due(step):
-            metrics.update(self.train_session(step))
+            budget = self._round_budget()  # what the comparison beside it spent counts against the turn's budget
+            metrics.update(self.train_session(step, None if budget is None else
+                                              budget - metrics.get("drafter/compare/time_s", 0.0)))
             # with the comparison that ran beside it this step (a diagnostic the rounds bring)
             self.round_cost = metrics["drafter/train_time_s"] + metrics.get("drafter/compare/time_s", 0.0)
         self._fresh = None  # the fresh batch's target side is large: not held through the update
@@ -244,11 +252,29 @@ class OnlineDrafterHook(DrafterHook):
             self.skip_left -= 1
             self.new_tokens = 0
             return False
+        if not self._may_pay():  # a turn the rollout gave nothing to earn: dropped like a skipped one
+            self.new_tokens = 0
+            return False
         return self.new_tokens > 0 and self.buffer.num_train_tokens() >= self.cfg.min_buffer_tokens
 
     def _compare_due(self) -> bool:
-        """The drafter comparison (a diagnostic) runs with the rounds: not while they back off."""
-        return self.frozen is not None and bool(self.fresh_heldout) and not self.skip_left
+        """The drafter comparison (a diagnostic) runs with the rounds: not while they back off or cannot pay."""
+        return self.frozen is not None and bool(self.fresh_heldout) and not self.skip_left and self._may_pay()
+
+    def _round_budget(self) -> float | None:
+        """Seconds a round after the update may add to its step: the most a better drafter could earn over a turn,
+        the back-off's worth with a gain without bound (SD steps that took no time at all), i.e. plain decoding's
+        time for the SD steps' tokens, times every_k_steps. None: no bound (a spot round, which runs beside the
+        rollout; the back-off off). See the module doc."""
+        if self.spot or not self.cfg.backoff_max_steps:
+            return None
+        st = self.spec.stats()
+        return (st["spec_net_saved_s"] + st["spec_step_time_s"]) * self.cfg.every_k_steps
+
+    def _may_pay(self) -> bool:
+        """Whether this turn's budget exceeds what the latest round added to its step (0 before any round)."""
+        budget = self._round_budget()
+        return budget is None or budget > self.round_cost
 
     def _back_off(self) -> dict[str, float]:
         """Update the back-off after this step's rollout and round (see the module doc); its metrics."""
@@ -271,13 +297,16 @@ class OnlineDrafterHook(DrafterHook):
         steps = max(1, math.ceil(self.new_tokens / self.cfg.batch_tokens))
         return min(steps, self.max_steps) if self.max_steps is not None else steps
 
-    def train_session(self, step: int) -> dict[str, float]:
-        """Train, evaluate old vs new on the held-out slice, publish or roll back. Returns drafter/* metrics."""
-        return self._finish(step, *self._train(step))
+    def train_session(self, step: int, budget: float | None = None) -> dict[str, float]:
+        """Train, evaluate old vs new on the held-out slice, publish or roll back. Returns drafter/* metrics.
+        budget: seconds after which no further drafter step starts (besides max_seconds)."""
+        return self._finish(step, *self._train(step, budget=budget))
 
-    def _train(self, step: int, pause: threading.Event | None = None):
+    def _train(self, step: int, pause: threading.Event | None = None, budget: float | None = None):
         """The round's work on the training copy (a spot thread runs this): train on the buffer as it is. With
-        `pause`, each drafter step first waits until it is set (the trainer's update runs meanwhile)."""
+        `pause`, each drafter step first waits until it is set (the trainer's update runs meanwhile); with `budget`,
+        no drafter step starts that many seconds after the round did (nor after max_seconds). A round that took no
+        step is not evaluated again."""
         t0 = time.perf_counter()
         last_gain = self.last_round_gain()
         if last_gain is not None and last_gain < 0:  # the last published round lost where the drafter is used:
@@ -286,7 +315,8 @@ class OnlineDrafterHook(DrafterHook):
         targets = TargetCache()  # before and after share the target's side (recomputed if the update ran between)
         old = self.trainer.evaluate(heldout, targets=targets) if heldout is not None else None
         snapshot = {k: v.clone() for k, v in self.drafter.trainable_state_dict().items()}
-        deadline = None if self.max_seconds is None else t0 + self.max_seconds
+        limits = [t0 + b for b in (self.max_seconds, budget) if b is not None]
+        deadline = min(limits) if limits else None
         steps, self.new_tokens = self.session_steps(), 0
         def stop() -> bool:  # checked before every drafter step
             nonlocal deadline
@@ -299,7 +329,7 @@ class OnlineDrafterHook(DrafterHook):
                     deadline += time.perf_counter() - waited
             return deadline is not None and time.perf_counter() > deadline
         stats = self.trainer.train_steps(self.buffer, steps, step=step, stop_flag=stop)
-        new = self.trainer.evaluate(heldout, targets=targets) if heldout is not None else None
+        new = self.trainer.evaluate(heldout, targets=targets) if heldout is not None and stats.steps else None
         return stats, old, new, snapshot, time.perf_counter() - t0, last_gain
 
     def last_round_gain(self) -> float | None:
