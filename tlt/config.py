@@ -169,8 +169,9 @@ class DrafterTrainConfig:
            "many in a row; a skipped turn drops its training, its data stays in the buffer): a round shares the "
            "rollout's machine or lengthens the step, and reopens the bandit's closed buckets where it could pay. "
            "With spot off it also bounds a round by what SD could save: plain decoding's time for the rollout's SD "
-           "steps' tokens, times every_k_steps (no round where SD ran no step, none while that is below the latest "
-           "round's cost). 0 = a round every every_k_steps; the verdicts need held-out data (holdout_fraction > 0). "
+           "steps' tokens, times every_k_steps (no round where SD ran no step, none while that does not exceed "
+           "the latest round's cost). 0 = a round every every_k_steps; the verdicts need held-out data "
+           "(holdout_fraction > 0). "
            "Whether a round runs then depends on measured times (docs/design.md §5)", ge=0)
     spot: bool | None = _f(
         None, "in-process runs: true = train the drafter on the steps so far in a thread alongside the next rollout, "
