@@ -109,6 +109,24 @@ def test_cuda_graph_verification_on_gpu(tiny_llama_dir, cpu_drafter, arm):
     assert any(t == T and tree for _, t, tree in graphs.graphs) and graphs.num_captured > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("arm", [CHAIN, TREE], ids=["chain", "tree"])
+def test_seeded_sampling_with_sd_equals_plain_on_cpu_and_gpu(tiny_llama_dir, cpu_drafter, arm, device):
+    """Seeded requests at temperature 1 in fp32, each engine as it runs by default on its device (graphs on CUDA):
+    SD on emits plain decoding's tokens (the invariant rule), with its log-probs. bf16 on a GPU can round a near-tie
+    the other way in a verification forward (docs/design.md §7); fp32 leaves no such tie at this size."""
+    plain = tlt.LLM(tiny_llama_dir, dtype="float32", device=device, max_num_seqs=16)
+    sd = tlt.LLM(tiny_llama_dir, dtype="float32", device=device, max_num_seqs=16)
+    SpecDecoder(sd.engine, SpecConfig(method="eagle", bs_threshold=None, adaptive=False, **arm), cpu_drafter)
+    prompts, kinds = _requests(n=8, seed=2)
+    a = _generate(plain, prompts, kinds, temperature=1.0, seed=5)
+    b = _generate(sd, prompts, kinds, temperature=1.0, seed=5)
+    assert sd.engine.spec.stats()["spec_on_fraction"] == 1.0  # every step of the SD engine speculated
+    for (ta, la), (tb, lb) in zip(a, b):
+        assert ta == tb
+        torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), atol=1e-4, rtol=0)
+
+
 @cuda
 def test_graph_pool_captures_again_after_its_graphs_are_dropped():
     """A grown cache drops every graph of the engine's pool while a tensor made during a capture lives on; the next

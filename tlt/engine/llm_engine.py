@@ -253,7 +253,11 @@ class LLMEngine:
             hidden = None  # the speculator's bucket is closed: no drafter data from this step (docs/design.md §6)
         if hidden is not None and any(s.params.return_hidden_states for s in seqs):
             t0 = time.perf_counter()
-            hidden = [h.to("cpu", torch.bfloat16) for h in hidden]  # host copy once, bf16 (drafter data)
+            # the step's states in one host copy, bf16 (drafter data): a copy per row would wait for the device once
+            # per row (docs/design.md §3)
+            sizes = [len(h) for h in hidden]
+            flat = hidden.flatten(0, 1) if isinstance(hidden, torch.Tensor) else torch.cat(list(hidden))
+            hidden = flat.to("cpu", torch.bfloat16).split(sizes)
             dt = time.perf_counter() - t0
             self.stats.hidden_copy_time_s += dt
             if self.spec is not None:
