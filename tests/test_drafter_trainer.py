@@ -421,7 +421,7 @@ def test_a_round_after_the_update_spends_at_most_what_sd_could_save(tiny_llama_d
     clock = [0.0]  # seconds pass only in the drafter's steps (1 s each) and its comparison (0.5 s)
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
 
-    def make(backoff_max_steps=8, spot=False, every_k_steps=1):
+    def make(backoff_max_steps=8, spot=False, every_k_steps=1, eval_s=0.0):
         cfg = DrafterTrainConfig(min_buffer_tokens=0, batch_tokens=64, window_len=16, holdout_fraction=0.25,
                                  compare_drafters=True, backoff_max_steps=backoff_max_steps,
                                  every_k_steps=every_k_steps)
@@ -437,6 +437,7 @@ def test_a_round_after_the_update_spends_at_most_what_sd_could_save(tiny_llama_d
             return TrainStats(steps=done)
 
         def evaluate(batch, **kw):
+            clock[0] += eval_s
             evaluated.append(batch)
             return {"acc": 0.5, "accept_proxy": 1.5}
 
@@ -469,6 +470,11 @@ def test_a_round_after_the_update_spends_at_most_what_sd_could_save(tiny_llama_d
     # a round whose comparison spent its budget takes no step and is not evaluated again
     hook, evaluated = make()
     assert step(hook, 1, sd_time_s=0.4)["drafter/steps"] == 0 and len(evaluated) == 1
+    # the evaluation after the steps is kept within the budget: as long as the one before them took (0.5 s here),
+    # so 2 steps start in budget 3 s, less 0.5 compared (control: evaluations that take no time, 3 steps above)
+    hook, evaluated = make(eval_s=0.5)
+    m = step(hook, 1, sd_time_s=3.0)
+    assert m["drafter/steps"] == 2 and len(evaluated) == 2 and hook.round_cost == 3.5
     # every_k_steps: a turn's budget counts the rollouts of a turn
     hook, _ = make(every_k_steps=2)
     assert step(hook, 1, sd_time_s=2.0)["drafter/steps"] == 0  # not its turn

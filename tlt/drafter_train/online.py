@@ -51,8 +51,9 @@ the engine had: the undone round's own gain divided out).
 Budget (spot off, back-off on): a drafter can earn a rollout at most plain decoding's time for its SD steps' tokens
 (the worth above with a gain without bound), so over a turn that is what a round after the update may add to its
 step. A turn whose budget does not exceed the latest round's cost (0 before any round) skips the round and the
-comparison and drops its training; a round starts no drafter step once its budget, less the comparison's time, is
-spent, and is not evaluated again if it took none (docs/design.md §5).
+comparison and drops its training; a round starts no drafter step once its budget, less the comparison's time and
+the evaluation after the steps (as long as the one before them), is spent, and is not evaluated again if it took
+none (docs/design.md §5).
 
 The hook's checkpoint state is the published drafter weights, the optimiser, the sampling generator, the
 counters and the buffer (its hidden states too: a resumed run must train on what the uninterrupted one would, to
@@ -305,17 +306,21 @@ class OnlineDrafterHook(DrafterHook):
     def _train(self, step: int, pause: threading.Event | None = None, budget: float | None = None):
         """The round's work on the training copy (a spot thread runs this): train on the buffer as it is. With
         `pause`, each drafter step first waits until it is set (the trainer's update runs meanwhile); with `budget`,
-        no drafter step starts that many seconds after the round did (nor after max_seconds). A round that took no
-        step is not evaluated again."""
+        no drafter step starts once the round's time would leave less of it than the evaluation before the steps
+        took, for the one after them (nor after max_seconds). A round that took no step is not evaluated again."""
         t0 = time.perf_counter()
         last_gain = self.last_round_gain()
         if last_gain is not None and last_gain < 0:  # the last published round lost where the drafter is used:
             self.drafter.load_state_dict(self._before_last, strict=False)  # this one trains from the weights before it
         heldout = self.heldout()
         targets = TargetCache()  # before and after share the target's side (recomputed if the update ran between)
+        t_eval = time.perf_counter()
         old = self.trainer.evaluate(heldout, targets=targets) if heldout is not None else None
+        t_eval = time.perf_counter() - t_eval
         snapshot = {k: v.clone() for k, v in self.drafter.trainable_state_dict().items()}
-        limits = [t0 + b for b in (self.max_seconds, budget) if b is not None]
+        # the budget keeps for the evaluation after the steps what the one before took, which also computed the
+        # target's side they share (docs/design.md §5)
+        limits = [t0 + b for b in (self.max_seconds, None if budget is None else budget - t_eval) if b is not None]
         deadline = min(limits) if limits else None
         steps, self.new_tokens = self.session_steps(), 0
         def stop() -> bool:  # checked before every drafter step
