@@ -109,14 +109,15 @@ def test_cuda_graph_verification_on_gpu(tiny_llama_dir, cpu_drafter, arm):
     assert any(t == T and tree for _, t, tree in graphs.graphs) and graphs.num_captured > 0
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@cuda
 @pytest.mark.parametrize("arm", [CHAIN, TREE], ids=["chain", "tree"])
-def test_seeded_sampling_with_sd_equals_plain_on_cpu_and_gpu(tiny_llama_dir, cpu_drafter, arm, device):
-    """Seeded requests at temperature 1 in fp32, each engine as it runs by default on its device (graphs on CUDA):
-    SD on emits plain decoding's tokens (the invariant rule), with its log-probs. bf16 on a GPU can round a near-tie
-    the other way in a verification forward (docs/design.md §7); fp32 leaves no such tie at this size."""
-    plain = tlt.LLM(tiny_llama_dir, dtype="float32", device=device, max_num_seqs=16)
-    sd = tlt.LLM(tiny_llama_dir, dtype="float32", device=device, max_num_seqs=16)
+def test_seeded_sampling_with_sd_equals_plain_on_gpu(tiny_llama_dir, cpu_drafter, arm):
+    """Seeded requests at temperature 1 in fp32 with CUDA graphs (the default on a GPU): SD on emits plain decoding's
+    tokens (the invariant rule), with its log-probs. bf16 on a GPU can round a near-tie the other way in a
+    verification forward (docs/design.md §7); fp32 leaves no such tie at this size. On the CPU,
+    tests/test_spec.py::test_seeded_sampling_identical_with_sd_on_or_off checks the same, with a negative control."""
+    plain = tlt.LLM(tiny_llama_dir, dtype="float32", device="cuda", max_num_seqs=16)
+    sd = tlt.LLM(tiny_llama_dir, dtype="float32", device="cuda", max_num_seqs=16)
     SpecDecoder(sd.engine, SpecConfig(method="eagle", bs_threshold=None, adaptive=False, **arm), cpu_drafter)
     prompts, kinds = _requests(n=8, seed=2)
     a = _generate(plain, prompts, kinds, temperature=1.0, seed=5)

@@ -318,9 +318,9 @@ class OnlineDrafterHook(DrafterHook):
         old = self.trainer.evaluate(heldout, targets=targets) if heldout is not None else None
         t_eval = time.perf_counter() - t_eval
         snapshot = {k: v.clone() for k, v in self.drafter.trainable_state_dict().items()}
-        # the budget keeps for the evaluation after the steps what the one before took, which also computed the
-        # target's side they share (docs/design.md §5)
-        limits = [t0 + b for b in (self.max_seconds, None if budget is None else budget - t_eval) if b is not None]
+        if budget is not None:  # keep for the evaluation after the steps what the one before took, which also
+            budget -= t_eval    # computed the target's side they share (docs/design.md §5)
+        limits = [t0 + b for b in (self.max_seconds, budget) if b is not None]
         deadline = min(limits) if limits else None
         steps, self.new_tokens = self.session_steps(), 0
         def stop() -> bool:  # checked before every drafter step
