@@ -170,9 +170,10 @@ def _requests(n=5, seed=0):
     return prompts, [tlt.SamplingParams(max_tokens=8 + 6 * i, temperature=1.0, seed=7 + i) for i in range(n)]
 
 
-def _llm(path, model_state, arm, static, pool=None):
-    """An engine with SD on (fixed arm), its drafts recorded; static: the step's static path (uncaptured)."""
-    llm = tlt.LLM(path, dtype="float32", device="cpu", max_num_seqs=16, enforce_eager=True)
+def _llm(path, model_state, arm, static, pool=None, device="cpu"):
+    """An engine with SD on (fixed arm), its drafts recorded; static: the step's static path (captured where a pool is
+    given)."""
+    llm = tlt.LLM(path, dtype="float32", device=device, max_num_seqs=16, enforce_eager=True)
     spec = SpecDecoder(llm.engine, SpecConfig(method="eagle", bs_threshold=None, adaptive=False, **arm),
                        _drafter(llm.engine.model, model_state))
     if static:  # the whole step's static code: drafting, and logits, probabilities and walk
@@ -263,6 +264,48 @@ def test_drafter_captures_count_for_the_bandit(tiny_llama_dir, trained, monkeypa
     assert all(updated == (c == "-") for updated, c in pairs)  # updated exactly the steps that captured nothing
 
 
+def _policy_update_runs(path, trained, device="cpu"):
+    """Two rollouts with a reduced draft vocabulary and an in-place update of the target's LM head between them (RL's
+    optimizer step), for the eager path and the static one (its graphs in a GraphPool) -> ([(outputs, spec)] of the
+    second rollouts, the static drafter's graphs after the first rollout, its captures in the second)."""
+    runs = []
+    for static in (False, True):
+        llm, spec = _llm(path, trained, TREE, static, pool=GraphPool() if static else None, device=device)
+        spec.drafter.d2t = torch.arange(0, llm.engine.model.cfg.vocab_size, 2, device=llm.engine.device)
+        _roll(llm)
+        with torch.no_grad():
+            w = llm.engine.model.lm_head_weight
+            w.add_(0.5 * torch.randn(w.shape, generator=torch.Generator().manual_seed(9)).to(w))
+        if static:
+            first, before = dict(spec.draft_graphs.graphs), spec.draft_graphs.num_captured
+        spec.drafts.clear()
+        runs.append((_roll(llm), spec))
+    return runs, first, spec.draft_graphs.num_captured - before
+
+
+def _kept_every_graph(graphs, first, captured):
+    """Every graph of the first rollout is still there, and the second captured only shapes it had not seen (its
+    drafts differ, so its catch-up lengths may)."""
+    return len(first) >= 3 and all(graphs.get(k) is g for k, g in first.items()) and \
+        captured == len(graphs) - len(first)
+
+
+def test_a_policy_update_keeps_the_drafters_graphs(tiny_llama_dir, trained, monkeypatch):
+    """A reduced draft vocabulary's head is a copy of the target's LM-head rows that drafting graphs read by address:
+    the policy update refreshes it in place, so the next rollout keeps every drafter graph (captures simulated on CPU
+    as above; a copy at a new address dropped them all, to be captured again), and its drafts, tokens and log-probs
+    equal the eager path's after the same update."""
+    def fake_capture(self, run):
+        self.num_captured += 1
+        return None, run()
+    monkeypatch.setattr(GraphPool, "capture", fake_capture)
+    runs, first, captured = _policy_update_runs(tiny_llama_dir, trained)
+    _same_rollouts(*runs)
+    assert _kept_every_graph(runs[1][1].draft_graphs.graphs, first, captured)
+    drafter = runs[1][1].drafter  # the head both paths read is the updated target's rows
+    assert torch.equal(drafter.draft_head(), drafter.target.lm_head_weight[drafter.d2t])
+
+
 # ---- CUDA: captured graphs against the eager engine ----------------------------------------------------------------
 @cuda
 @pytest.mark.parametrize("kind", list(ARMS))
@@ -281,6 +324,16 @@ def test_cuda_captured_drafting_equals_eager(tiny_llama_dir, trained, kind):
     _same_rollouts(*runs)
     for graphs in (runs[1][1].draft_graphs, runs[1][1].accept_graphs):
         assert graphs.num_captured >= 3 and all(g.graph is not None for g in graphs.set.graphs.values())
+
+
+@cuda
+def test_cuda_drafter_graphs_read_the_updated_head(tiny_llama_dir, trained):
+    """On CUDA: after an in-place update of the target's LM head, the drafter graphs captured before it replay with
+    the new draft head (the drafts equal the eager path's), none of them captured again."""
+    runs, first, captured = _policy_update_runs(tiny_llama_dir, trained, device="cuda")
+    _same_rollouts(*runs)
+    graphs = runs[1][1].draft_graphs.graphs
+    assert _kept_every_graph(graphs, first, captured) and all(g.graph is not None for g in graphs.values())
 
 
 @cuda

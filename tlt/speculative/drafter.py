@@ -53,14 +53,21 @@ class Drafter(nn.Module):
 
     def draft_head(self) -> torch.Tensor:
         """The LM-head rows of the draft vocabulary [V_draft, H]. Slicing copies, so the slice is cached and taken
-        again only when the target's head changes (an optimizer step bumps its version) or d2t changes."""
+        again only when the target's head changes (an optimizer step bumps its version) or d2t changes. Taken
+        again into the same tensor where its shape allows: captured drafting graphs read it by address
+        (tlt.speculative.draft_graph), so a policy update then leaves them valid instead of dropping them all."""
         w = self.target.lm_head_weight
         if self.d2t is None:
             return w
         key = (w.data_ptr(), w._version, self.d2t.data_ptr(), w.dtype)
         if getattr(self, "_head_key", None) != key:
             with torch.inference_mode(False), torch.no_grad():  # a normal tensor, so `linear` may prepack it
-                self._head = w[self.d2t].detach()
+                head = getattr(self, "_head", None)
+                if (head is not None and head.shape == (self.d2t.numel(), w.shape[1]) and head.dtype == w.dtype
+                        and head.device == w.device):
+                    torch.index_select(w, 0, self.d2t, out=head)  # bumps its version: `linear` packs it again
+                else:
+                    self._head = w[self.d2t].detach()
             self._head_key = key
         return self._head
 
