@@ -137,7 +137,7 @@ def test_bench_spec_rows_say_where_the_time_went(tiny_llama_dir):
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     rows, _ = run_ours(str(tiny_llama_dir), None, prompts, 2, specs, 40, 1, 0)
     by = {r["strategy"]: r for r in rows}
-    assert set(by) == {"plain", "ngram", "ngram_adaptive"} and all(r["captures"] == 0 for r in rows)
+    assert set(by) == {"plain", "ngram", "ngram_adaptive"} and all(r["captures"] == r["capture_s"] == 0 for r in rows)
     assert all(by[k]["sd_s"] is None and by[k]["sd_saved_s"] is None for k in ("plain", "ngram"))
     assert by["ngram_adaptive"]["sd_on"] > 0 and by["ngram_adaptive"]["sd_s"] > 0
     assert math.isfinite(by["ngram_adaptive"]["sd_saved_s"])

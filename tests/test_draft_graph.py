@@ -324,6 +324,8 @@ def test_cuda_captured_drafting_equals_eager(tiny_llama_dir, trained, kind):
     _same_rollouts(*runs)
     for graphs in (runs[1][1].draft_graphs, runs[1][1].accept_graphs):
         assert graphs.num_captured >= 3 and all(g.graph is not None for g in graphs.set.graphs.values())
+    st = llm.stats()  # the graphed engine's: every capture counted and timed
+    assert st["graph_captures"] == llm.engine.num_graph_captures >= 6 and st["graph_capture_time_s"] > 0
 
 
 @cuda

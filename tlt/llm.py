@@ -126,6 +126,9 @@ class LLM:
         out = {"num_generated_tokens": s.num_generated_tokens, "num_decode_steps": s.num_decode_steps,
                "num_spec_steps": s.num_spec_steps, "decode_time_s": s.decode_time_s, "prefill_time_s": s.prefill_time_s,
                "hidden_copy_time_s": s.hidden_copy_time_s,
+               # CUDA graphs captured and the seconds it took (in the decode and SD step times that include them)
+               "graph_captures": self.engine.num_graph_captures,
+               "graph_capture_time_s": self.engine.graph_capture_time_s,
                "decode_time_upto_bs": {str(k): v for k, v in s.decode_time_upto_bs.items()}}
         if self.spec is not None:
             out.update(self.spec.stats())

@@ -355,7 +355,7 @@ COSTS = {"rollout": "timing_s/gen", "reward": "timing_s/reward", "old_logp": "ti
          "spec_net_saved": "rollout/spec_net_saved_s", "keep_hidden": "rollout/spec_hidden_keep_time_s",
          "copy_hidden": "rollout/hidden_copy_time_s", "buffer": "drafter/buffer_time_s",
          "train_drafter": "drafter/train_time_s", "spot_wait": "drafter/spot_wait_s",
-         "compare": "drafter/compare/time_s"}
+         "compare": "drafter/compare/time_s", "capture": "rollout/graph_capture_time_s"}
 
 
 def cost_table(res_records: dict[str, list[dict]]) -> list[dict]:
@@ -456,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         print_table(rows, ["mode", "run_speedup", "step1_speedup", "later_step_speedup", "sd_step_speedup"])
     costs = cost_table(records)
     print("\nwhere the time goes (median seconds a step; draft includes catchup; spec_net_saved: plain decoding's "
-          "time for the SD steps' tokens minus theirs, negative when SD cost time):")
+          "time for the SD steps' tokens minus theirs, negative when SD cost time; capture: CUDA graph captures, "
+          "inside the rollout's time):")
     print_table(costs, ["mode", *COSTS])
     if "off" in res and len(res) > 1:
         print("\nlearning vs off. same_resp: fraction of responses equal to off's, token for token (1.0: the same "

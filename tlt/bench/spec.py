@@ -59,7 +59,9 @@ def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens,
         if name.endswith("/sd_eager"):
             llm.spec.disable_graphs()
 
-    captures = {name: [] for name in llms}  # CUDA graphs captured in each round (the first is the warm-up)
+    # CUDA graphs captured in each round (the first is the warm-up), and the seconds it took
+    captures = {name: [] for name in llms}
+    capture_s = {name: [] for name in llms}
 
     def runner(name, llm):
         def go():
@@ -68,9 +70,10 @@ def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens,
                 # every round decodes the same seeded requests: the n-gram drafter's history of earlier responses
                 # to these prompts would hold the very responses it is about to draft
                 llm.spec.ngram.clear_history()
-            before = llm.engine.num_graph_captures
+            before, before_s = llm.engine.num_graph_captures, llm.engine.graph_capture_time_s
             out = llm.generate(batch, params)
             captures[name].append(llm.engine.num_graph_captures - before)
+            capture_s[name].append(llm.engine.graph_capture_time_s - before_s)
             return out
         return go
     timed = interleaved_times({name: runner(name, llm) for name, llm in llms.items()}, repeats)
@@ -84,6 +87,7 @@ def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens,
                      "speedup": paired_speedup(timed["plain"]["times"], t["times"]),
                      "spread": f"{t['min']:.2f}-{t['max']:.2f}", "accept_len": stats.get("spec_accept_length"),
                      "sd_on": stats.get("spec_on_fraction"), "captures": sum(captures[name][1:]),
+                     "capture_s": sum(capture_s[name][1:]),
                      # the last round's seconds in SD steps, and plain decoding's estimated seconds for their
                      # tokens less those (the bandit's prices; negative: SD steps cost time)
                      "sd_s": stats.get("spec_step_time_s") if priced else None,
@@ -168,13 +172,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  bs {bs} {r['strategy']}: {r['tok_s']:.1f} tok/s ({r['speedup']:.2f}x)", file=sys.stderr, flush=True)
             rows.append(r)
             results[f"bs{bs}/{r['strategy']}"] = {k: r[k] for k in ("tok_s", "speedup", "accept_len", "sd_on",
-                                                                    "captures", "sd_s", "sd_saved_s")}
+                                                                    "captures", "capture_s", "sd_s",
+                                                                    "sd_saved_s")}
     print(f"model={model_dir} dtype={dtype} max_tokens={a.max_tokens} temperature={a.temperature} "
           f"repeats={a.repeats} interleaved (median; speedup = median over rounds of plain/strategy time) "
           f"threads={torch.get_num_threads()}")
-    print_table(rows, ["bs", "strategy", "tok_s", "speedup", "accept_len", "sd_on", "spread", "captures", "sd_s",
-                       "sd_saved_s"])
-    print("captures: CUDA graphs captured in the timed rounds (each costs many steps once); sd_s / sd_saved_s "
+    print_table(rows, ["bs", "strategy", "tok_s", "speedup", "accept_len", "sd_on", "spread", "captures",
+                       "capture_s", "sd_s", "sd_saved_s"])
+    print("captures / capture_s: CUDA graphs captured in the timed rounds and their seconds (each costs many steps, "
+          "once); sd_s / sd_saved_s "
           "(adaptive): the last round's seconds in SD steps, and plain decoding's estimated seconds for their tokens "
           "less those")
     bound = {d: oracle_accept_bound(model, pairs, d, temperature=a.temperature)

@@ -24,6 +24,7 @@ GraphSet applies the same conventions to any function of static tensors: the spe
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -49,11 +50,14 @@ class GraphPool:
     handle: Any = None
     num_captured: int = 0
     anchor: Any = None
+    capture_s: float = 0.0  # wall time of every capture so far, warm-up included (the device waited for at both ends)
 
     def capture(self, run: Callable[[], Any]) -> tuple["torch.cuda.CUDAGraph", Any]:
         """Capture `run` (reading and writing only static tensors) -> (graph, its outputs). Warm-up first on a side
         stream (cuBLAS / allocator set-up must not happen inside capture), with the same inputs, so whatever the
         warm-up writes is what a replay writes."""
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -64,6 +68,8 @@ class GraphPool:
             out = run()
         self.handle, self.anchor = graph.pool(), graph
         self.num_captured += 1
+        torch.cuda.synchronize()
+        self.capture_s += time.perf_counter() - t0
         return graph, out
 
 

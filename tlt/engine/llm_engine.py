@@ -159,6 +159,11 @@ class LLMEngine:
         return self.runner.num_graph_captures + (self.spec.num_graph_captures if self.spec is not None else 0)
 
     @property
+    def graph_capture_time_s(self) -> float:
+        """Seconds spent capturing CUDA graphs so far, the target's and the speculator's (they share one pool)."""
+        return self.runner.graphs.pool.capture_s if self.runner.graphs is not None else 0.0
+
+    @property
     def graph_pool(self) -> GraphPool | None:
         """The memory pool of this engine's CUDA graphs, for a speculator's own graphs to share; None when the
         engine runs eagerly (CPU, or enforce_eager=True): then the speculator runs eagerly too."""
