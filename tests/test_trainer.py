@@ -728,3 +728,67 @@ def test_spot_null_means_an_idle_cpu_core(monkeypatch):
     assert not spot_training(None, torch.device("cuda")) and spot_training(True, torch.device("cuda"))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert not spot_training(None, cpu) and not spot_training(False, cpu)
+
+
+@pytest.mark.parametrize("rollout_dtype", ["float32", "bfloat16"])
+def test_rl_steps_capture_each_cuda_graph_once(tmp_path, tiny_dir, monkeypatch, rollout_dtype):
+    """Graphs read weights, caches and the draft head by address, so an RL run that keeps them valid captures each
+    graph (target forwards, K/V moves, drafting, acceptance) once: a later step replays what an earlier one captured
+    and captures only shapes not seen before. Graphs simulated on CPU (the static code runs, a capture is recorded
+    under its graph's key), with a reduced draft vocabulary, a drafter published every step, and the engine
+    sharing the policy's weights (float32) or holding a bf16 copy refreshed after each update. With the draft
+    head copied to a new tensor after each update, 18 captures held 10 distinct graphs."""
+    from tlt.engine.cuda_graph import GraphedForward, GraphPool, GraphSet
+    from tlt.engine.model_runner import ModelRunner
+    from tlt.models.loader import load_model
+    from tlt.speculative.drafter import Drafter
+    from tlt.speculative.drafter_io import save_drafter
+    keys, captured = [], []
+
+    def fake_capture(self, run):  # a GraphSet's capture, under the key its replay is at
+        self.num_captured += 1
+        captured.append(keys[-1])
+        return None, run()
+
+    def fake_forward_capture(self, g):
+        self.num_captured += 1
+        captured.append((id(self), g.ids.shape, g.tree is not None))
+        g.out = self._run(g)
+
+    def replay(self, shape, B, *a, **k):
+        keys.append((id(self), self.bucket(B), shape))
+        try:
+            return set_replay(self, shape, B, *a, **k)
+        finally:
+            keys.pop()
+
+    def runner_init(self, model, kv, max_prefill_tokens=None, cuda_graphs=False):
+        runner_init_(self, model, kv, max_prefill_tokens)
+        self.graphs = GraphedForward(model, kv)  # as on CUDA
+
+    set_replay, set_init, runner_init_ = GraphSet.replay, GraphSet.__init__, ModelRunner.__init__
+    monkeypatch.setattr(GraphPool, "capture", fake_capture)
+    monkeypatch.setattr(GraphedForward, "_capture", fake_forward_capture)
+    monkeypatch.setattr(GraphSet, "replay", replay)
+    monkeypatch.setattr(GraphSet, "__init__", lambda self, n, capture=True, pool=None: set_init(self, n, True, pool))
+    monkeypatch.setattr(ModelRunner, "__init__", runner_init)
+    target = load_model(tiny_dir)
+    torch.manual_seed(0)
+    drafter = Drafter(target.cfg)
+    drafter.d2t = torch.arange(0, target.cfg.vocab_size, 3)  # a reduced draft vocabulary: a copied head
+    opts = {"speculative.enabled": True, "speculative.method": "eagle", "speculative.bs_threshold": 64,
+            "speculative.hysteresis_steps": 1, "speculative.model": str(save_drafter(drafter, tmp_path / "drafter")),
+            "speculative.adaptive": False,  # SD in every step
+            "drafter_train.min_buffer_tokens": 0, "drafter_train.batch_tokens": 128, "drafter_train.window_len": 32, "drafter_train.holdout_fraction": 0.0,
+            "drafter_train.backoff_max_steps": 0, "trainer.total_steps": 3, "rollout.dtype": rollout_dtype}
+    cfg = load_config(None, make_overrides(tmp_path, tiny_dir, **opts))
+    trainer = GRPOTrainer(cfg)
+    trainer.fit()
+    spec = trainer.llm.spec
+    assert spec.drafter.d2t is not None and spec.drafter_version == 3
+    assert (trainer.llm.model is trainer.model) == (rollout_dtype == "float32")
+    metrics = read_metrics(trainer)
+    assert len(metrics) == 3 and all(m["rollout/spec_on_fraction"] > 0 for m in metrics)
+    drafting = [k for k in captured if k[0] == id(spec.draft_graphs.set)]
+    assert len(drafting) >= 3
+    assert len(set(captured)) == len(captured)  # none captured twice
