@@ -9,6 +9,8 @@
 #   TLT_GPU_BENCH_STAGES=tests,attention bash scripts/gpu_bench.sh   # only these stages (names below)
 #   T_E2E=200 bash scripts/gpu_bench.sh            # a stage's timeout in seconds (T_TESTS, T_MODEL, T_DRAFTER,
 #                                                  # T_DECODE, T_SPEC, T_ROLLOUT, T_E2E, T_ATTN)
+#   E2E_STEPS=4 T_E2E=200 bash scripts/gpu_bench.sh   # RL steps of the e2e stage (default 2; steps after the
+#                                                  # first show what a step costs once its graphs are captured)
 #
 # Model: $TLT_BENCH_MODEL (an HF directory, e.g. a converted SmolLM2-135M-Instruct brought along) if set, else a
 # random model of SmolLM2-135M's exact shape built here from its config (tlt.bench.random_model; no download).
@@ -59,7 +61,7 @@ else                      # sized so that the timeouts below (plus 5 s grace eac
     DECODE_ARGS="--batch-sizes 1,16,64,256 --max-tokens 128 --repeats 2 --no-hf"
     SPEC_ARGS="--batch-sizes 1,8,32 --max-tokens 128 --repeats 2 --skip-hf"
     ROLLOUT_ARGS="--prompts 32 --n 8 --max-tokens 512 --modes off,always,adaptive"
-    E2E_ARGS="--steps 2 --modes off,adaptive data.train_batch_size=16 data.max_response_length=512"
+    E2E_ARGS="--steps ${E2E_STEPS:-2} --modes off,adaptive data.train_batch_size=16 data.max_response_length=512"
 fi
 
 STAGES=" ${TLT_GPU_BENCH_STAGES:-tests model drafter decode spec rollout e2e attention} "
