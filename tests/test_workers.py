@@ -145,3 +145,5 @@ def test_replica_config_carries_every_speculative_key():
     got = SpecConfig.from_dict({**spec, "model": "<fresh>"})
     assert (got.adaptive, got.draft_topk, got.num_draft_tokens, got.acceptance, got.device_profile, got.epsilon) == \
         (False, 3, 7, "rejection", "gpu", 0.2)
+    assert ReplicaConfig.from_config(load_config(None, ["rollout.free_cache_engine=false"])).free_cache_engine is False
+    assert ReplicaConfig.from_config(run).free_cache_engine is True

@@ -66,7 +66,8 @@ def rollout_options(pg: PlacementGroup, a: Assignment, replica: int) -> dict:
 
 
 class PlacedRollout(SpotRollout):
-    """SpotRollout with one replica per rollout bundle of `a`; colocated replicas sleep between rollouts.
+    """SpotRollout with one replica per rollout bundle of `a`; colocated replicas sleep between rollouts (unless
+    replica_cfg.free_cache_engine is false).
     placement_group: an existing one holding `a`'s bundles (the trainer ranks' launcher made it), else one is
     reserved here; close() gives back the one it reserved."""
 
@@ -82,7 +83,8 @@ class PlacedRollout(SpotRollout):
         options = [rollout_options(self.placement_group, a, r) for r in range(len(a.rollout_bundles))]
         try:
             super().__init__(model, len(options), replica_cfg, spot, tokenizer=tokenizer, replica_cls=replica_cls,
-                             replica_options=options, sleep_between_steps=a.mode == "colocated")
+                             replica_options=options, sleep_between_steps=a.mode == "colocated"
+                             and (replica_cfg is None or replica_cfg.free_cache_engine))
         except Exception:
             if self._owns_placement_group:
                 remove_placement_group(self.placement_group)

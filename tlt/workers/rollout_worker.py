@@ -50,6 +50,7 @@ class ReplicaConfig:
     dtype: str = "auto"
     enforce_eager: bool = False      # no CUDA graphs (see tlt.engine.cuda_graph)
     attention: str = "auto"          # decode / verify attention backend (tlt.models.flex)
+    free_cache_engine: bool = True   # colocated: sleep between rollouts (free the KV caches and graphs)
     seed: int = 0                    # engine seed and fresh-drafter init (equal on every replica: one drafter)
     train_drafter: bool = True       # record hidden states and train the drafter (needs an eagle drafter)
     drafter_lr: float = 3e-4
@@ -66,7 +67,8 @@ class ReplicaConfig:
         """From a tlt.config.Config (sections model, data, rollout, speculative, drafter_train, trainer)."""
         s, d = cfg.speculative, cfg.drafter_train
         return cls(speculative=s.engine_config(cfg.trainer.seed), **cfg.engine_args(), device=cfg.model.device,
-                   dtype=cfg.rollout_dtype(), train_drafter=d.enabled and s.enabled and s.method == "eagle",
+                   dtype=cfg.rollout_dtype(), free_cache_engine=cfg.rollout.free_cache_engine,
+                   train_drafter=d.enabled and s.enabled and s.method == "eagle",
                    drafter_lr=d.lr, ttt_steps=d.ttt_steps,
                    batch_tokens=d.batch_tokens, buffer_max_tokens=d.buffer_max_tokens, window_len=d.window_len,
                    holdout_every=round(1 / d.holdout_fraction) if d.holdout_fraction > 0 else 0)
