@@ -46,3 +46,25 @@ def test_aten_cpu_capability_avx2_runs_tlt_as_on_an_avx2_cpu():
     assert avx2["isa"] == "AVX2" and avx2["dtype"] == "torch.float32" and avx2["bf16_path"] != "small_gemm_bf16"
     assert avx2["panel"] == 16
 
+
+
+def test_idle_cpu_cores_takes_other_processes_busy_time(monkeypatch):
+    """Two /proc/stat readings 400 ticks apart on a 4-CPU machine, 100 of them busy: 1 core busy, 3 idle, capped at
+    the cores this process may use; unreadable (not Linux): None."""
+    import io
+
+    import tlt.device as device
+    stats = iter(["cpu  100 0 100 700 100 0 0 0 0 0\n", "cpu  150 0 150 1000 100 0 0 0 0 0\n"])
+    monkeypatch.setattr(device, "open", lambda path: io.StringIO(next(stats)), raising=False)
+    monkeypatch.setattr(device.time, "sleep", lambda s: None)
+    monkeypatch.setattr(device.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(device.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert device.idle_cpu_cores() == pytest.approx(3.0)
+    stats = iter(["cpu  100 0 100 700 100 0 0 0 0 0\n", "cpu  150 0 150 1000 100 0 0 0 0 0\n"])
+    monkeypatch.setattr(device.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert device.idle_cpu_cores() == pytest.approx(2.0)
+
+    def unreadable(path):
+        raise FileNotFoundError(path)
+    monkeypatch.setattr(device, "open", unreadable, raising=False)
+    assert device.idle_cpu_cores() is None

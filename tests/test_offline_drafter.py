@@ -147,3 +147,18 @@ def test_warmup_keys_choose_the_build_and_its_own_cache_dir(tiny, tmp_path, monk
         assert offline.drafter_cache_dir(model_dir, strong) != path
     finally:
         Path(data).write_text("".join(lines))
+
+
+@pytest.mark.parametrize("idle,most,threads", [(None, 2, 2), (0.3, 2, 1), (1.4, 2, 1), (1.6, 2, 2), (5.0, 2, 2)])
+def test_build_threads_are_the_idle_cores(monkeypatch, idle, most, threads):
+    """threads=0: a thread per core other processes leave idle (at least one, at most torch's default); where that
+    cannot be read, torch's default."""
+    monkeypatch.setattr(offline, "idle_cpu_cores", lambda: idle)
+    assert offline.build_threads(most) == threads
+
+
+def test_threads_do_not_make_another_build():
+    """Threads and logging change how a build runs, not what it builds: a cached drafter stays valid."""
+    prov = {"config": dict(offline.DEFAULT_BUILD, threads=1, log_every=50)}
+    assert offline._built_as(prov, offline.DEFAULT_BUILD)
+    assert not offline._built_as({"config": dict(offline.DEFAULT_BUILD, steps=100)}, offline.DEFAULT_BUILD)

@@ -5,6 +5,7 @@ import ctypes
 import functools
 import os
 import platform
+import time
 
 import torch
 
@@ -30,6 +31,27 @@ def cpu_capability() -> str:
         return torch.backends.cpu.get_cpu_capability()
     except AttributeError:  # older torch
         return "DEFAULT"
+
+
+def idle_cpu_cores(sample_s: float = 0.25) -> float | None:
+    """Cores of this process's CPU set that other processes leave idle now: the machine's busy time over `sample_s`
+    (/proc/stat, while this process sleeps) taken from the cores this process may use. None where /proc/stat is
+    unreadable (not Linux)."""
+    def busy_total() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+        return sum(ticks) - idle, sum(ticks)
+    try:
+        busy0, total0 = busy_total()
+        time.sleep(sample_s)
+        busy1, total1 = busy_total()
+    except (OSError, ValueError, IndexError):
+        return None
+    machine = os.cpu_count() or 1
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
+    busy = machine * (busy1 - busy0) / max(total1 - total0, 1)
+    return max(0.0, min(float(mine), machine - busy))
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -33,6 +33,7 @@ import torch
 import tlt
 from tlt.cache import build_atomically, cache_root
 from tlt.config import RolloutConfig
+from tlt.device import idle_cpu_cores
 from tlt.drafter_train.buffer import DrafterBuffer
 from tlt.drafter_train.trainer import DrafterTrainer
 from tlt.speculative.drafter import Drafter
@@ -66,7 +67,9 @@ class OfflineConfig:
     ttt_steps: int = _opt(1, "unrolled passes a training step (training-time test: pass k feeds the drafter its own "
                              "pass k-1 features, as drafting depth k does); 1 = teacher-forced only")
     amp: str = _opt("auto", "autocast dtype for training: auto | none | bfloat16")
-    threads: int = _opt(0, "torch intra-op threads; 0 = torch's default (on a busy shared CPU, 1 can be 2-3x faster)")
+    threads: int = _opt(0, "torch intra-op threads; 0 = the cores other processes leave idle when the build starts "
+                           "(at least 1, at most torch's default): threads on a core another process holds made a "
+                           "build up to 5x slower")
     seed: int = _opt(0, "seed for data order, sampling and drafter init")
     log_every: int = _opt(10, "print training metrics every k steps")
 
@@ -144,11 +147,18 @@ def train_drafter(cfg: OfflineConfig, command: str | None = None) -> dict:
         cfg = dataclasses.replace(cfg, model=str(default_model_path()))
     model_dir = Path(cfg.model)
     threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads or threads)
+    torch.set_num_threads(cfg.threads or build_threads(threads))
     try:
         return _train_drafter(cfg, model_dir, command)
     finally:
         torch.set_num_threads(threads)  # the setting is process-wide: give the caller its own back
+
+
+def build_threads(most: int) -> int:
+    """threads=0: the cores other processes leave idle now (tlt.device.idle_cpu_cores), at least 1 and at most
+    `most`; `most` where that cannot be read."""
+    idle = idle_cpu_cores()
+    return most if idle is None else max(1, min(most, int(idle + 0.5)))
 
 
 def _train_drafter(cfg: OfflineConfig, model_dir: Path, command: str | None) -> dict:
@@ -215,9 +225,11 @@ def _metrics_table(before: dict, after: dict) -> str:
 DEFAULT_TEMPERATURE = 0.6
 # Sized to build in about three minutes on 2 CPU cores (measured: see provenance.json's generate_s / train_s), at
 # the temperature the drafter will serve: 64 prompts at 1.0 and 80 steps overfit (held-out top-1 0.33, training
-# 0.66) and accepted 1.51 tokens a depth-4 chain at 0.6; this build 1.79 (docs/design.md §2). One
-# thread: on a shared machine, OpenMP threads contending with other processes made the same build 5x slower.
-DEFAULT_BUILD = dict(num_prompts=256, max_tokens=128, steps=200, draft_vocab=8192, threads=1,
+# 0.66) and accepted 1.51 tokens a depth-4 chain at 0.6; this build 1.79 (docs/design.md §2). Threads: the cores
+# idle when it starts (threads=0), so that none contends with another process for a core (on a shared machine
+# that made the same build 5x slower); on an idle 2-core AVX2 CPU two threads built it in 164 s against one
+# thread's 268 s, the same drafter bit for bit.
+DEFAULT_BUILD = dict(num_prompts=256, max_tokens=128, steps=200, draft_vocab=8192, threads=0,
                      temperatures=str(DEFAULT_TEMPERATURE))
 
 
@@ -246,8 +258,10 @@ def drafter_cache_dir(model_path: str | Path, build: dict | None = None) -> Path
 
 
 def _canonical(build: dict) -> dict:
-    """A build with OfflineConfig's defaults filled in, so that equal builds compare equal however spelled."""
-    return {k: v for k, v in dataclasses.asdict(OfflineConfig(**build)).items() if k not in ("out", "model")}
+    """A build with OfflineConfig's defaults filled in, so that equal builds compare equal however spelled; without
+    the keys that change how it runs, not what it builds (threads, logging)."""
+    return {k: v for k, v in dataclasses.asdict(OfflineConfig(**build)).items()
+            if k not in ("out", "model", "threads", "log_every")}
 
 
 def default_drafter_path(model_path: str | Path | None = None, build: dict | None = None) -> Path:
