@@ -171,7 +171,8 @@ def _train_drafter(cfg: OfflineConfig, model_dir: Path, command: str | None) -> 
     num_gen = generate_into(buffer, llm, prompts, cfg, counts)
     gen_s = time.perf_counter() - t0
     print(f"generated {num_gen} tokens for {len(prompts)} prompts in {gen_s:.1f} s "
-          f"({buffer.num_train_tokens()} train / {buffer.num_train_tokens(heldout=True)} held-out pairs)")
+          f"({buffer.num_train_tokens()} train / {buffer.num_train_tokens(heldout=True)} held-out pairs; "
+          f"{torch.get_num_threads()} threads)")
 
     torch.manual_seed(cfg.seed)
     drafter = Drafter(target.cfg).to(next(target.parameters()).device).attach(target)
@@ -205,6 +206,7 @@ def _train_drafter(cfg: OfflineConfig, model_dir: Path, command: str | None) -> 
             "steps": cfg.steps, "draft_vocab": cfg.draft_vocab, "metrics_before": before, "metrics": after,
             "train_loss_last": dataclasses.asdict(m) if m else None, "generate_s": round(gen_s, 2),
             "train_s": round(train_s, 2), "total_s": round(time.perf_counter() - t0, 2),
+            "threads": torch.get_num_threads(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "tlt_version": tlt.__version__}
     (out / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n")
