@@ -47,22 +47,32 @@ def test_aten_cpu_capability_avx2_runs_tlt_as_on_an_avx2_cpu():
     assert avx2["panel"] == 16
 
 
-
 def test_idle_cpu_cores_takes_other_processes_busy_time(monkeypatch):
-    """Two /proc/stat readings 400 ticks apart on a 4-CPU machine, 100 of them busy: 1 core busy, 3 idle, capped at
-    the cores this process may use; unreadable (not Linux): None."""
+    """Two /proc/stat readings 100 ticks a CPU apart: cpu0 50% busy, cpu1 idle, cpu2 fully busy. Idle cores are
+    counted on this process's CPUs only (affinity {0, 1}: 1.5; {0, 1, 2}: 1.5 of 3), at most a cgroup quota (1.2);
+    guest time (inside user time) is not counted twice; unreadable (not Linux): None."""
     import io
 
     import tlt.device as device
-    stats = iter(["cpu  100 0 100 700 100 0 0 0 0 0\n", "cpu  150 0 150 1000 100 0 0 0 0 0\n"])
-    monkeypatch.setattr(device, "open", lambda path: io.StringIO(next(stats)), raising=False)
+    before = ("cpu  1 2 3 4 5 6 7 8 9 10\ncpu0 100 0 0 100 0 0 0 0 0 0\ncpu1 0 0 0 200 0 0 0 0 0 0\n"
+              "cpu2 200 0 0 0 0 0 0 0 50 0\nintr 1 2 3\n")
+    after = ("cpu  1 2 3 4 5 6 7 8 9 10\ncpu0 130 0 20 150 0 0 0 0 0 0\ncpu1 0 0 0 300 0 0 0 0 0 0\n"
+             "cpu2 300 0 0 0 0 0 0 0 90 0\nintr 1 2 3\n")
+    readings, quota = [], [None]
+
+    def fake_open(path):
+        if path == "/proc/stat":
+            return io.StringIO(readings.pop(0))
+        if quota[0] is None:
+            raise FileNotFoundError(path)
+        return io.StringIO(quota[0] if path.endswith("cpu.max") else "")
+    monkeypatch.setattr(device, "open", fake_open, raising=False)
     monkeypatch.setattr(device.time, "sleep", lambda s: None)
-    monkeypatch.setattr(device.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(device.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
-    assert device.idle_cpu_cores() == pytest.approx(3.0)
-    stats = iter(["cpu  100 0 100 700 100 0 0 0 0 0\n", "cpu  150 0 150 1000 100 0 0 0 0 0\n"])
-    monkeypatch.setattr(device.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert device.idle_cpu_cores() == pytest.approx(2.0)
+    for cpus, idle, q in (({0, 1}, 1.5, None), ({0, 1, 2}, 1.5, None), ({0, 1}, 1.2, "120000 100000"),
+                          ({0, 1}, 1.5, "max 100000")):
+        readings[:], quota[0] = [before, after], q
+        monkeypatch.setattr(device.os, "sched_getaffinity", lambda pid, c=cpus: c, raising=False)
+        assert device.idle_cpu_cores() == pytest.approx(idle)
 
     def unreadable(path):
         raise FileNotFoundError(path)

@@ -268,19 +268,21 @@ def _policy_update_runs(path, trained, device="cpu"):
     """Two rollouts with a reduced draft vocabulary and an in-place update of the target's LM head between them (RL's
     optimizer step), for the eager path and the static one (its graphs in a GraphPool) -> ([(outputs, spec)] of the
     second rollouts, the static drafter's graphs after the first rollout, its captures in the second)."""
-    runs = []
-    for static in (False, True):
+    def second_rollout(static: bool):
         llm, spec = _llm(path, trained, TREE, static, pool=GraphPool() if static else None, device=device)
         spec.drafter.d2t = torch.arange(0, llm.engine.model.cfg.vocab_size, 2, device=llm.engine.device)
         _roll(llm)
         with torch.no_grad():
             w = llm.engine.model.lm_head_weight
             w.add_(0.5 * torch.randn(w.shape, generator=torch.Generator().manual_seed(9)).to(w))
-        if static:
-            first, before = dict(spec.draft_graphs.graphs), spec.draft_graphs.num_captured
         spec.drafts.clear()
-        runs.append((_roll(llm), spec))
-    return runs, first, spec.draft_graphs.num_captured - before
+        graphs = spec.draft_graphs
+        first, before = (dict(graphs.graphs), graphs.num_captured) if graphs is not None else ({}, 0)
+        outputs = _roll(llm)
+        return (outputs, spec), first, (graphs.num_captured - before if graphs is not None else 0)
+    eager, _, _ = second_rollout(static=False)
+    static, first, captured = second_rollout(static=True)
+    return [eager, static], first, captured
 
 
 def _kept_every_graph(graphs, first, captured):

@@ -158,7 +158,11 @@ def test_build_threads_are_the_idle_cores(monkeypatch, idle, most, threads):
 
 
 def test_threads_do_not_make_another_build():
-    """Threads and logging change how a build runs, not what it builds: a cached drafter stays valid."""
+    """Threads and logging change how a build runs, not what it builds: a cached drafter stays valid, and other
+    builds keep the directory names they had when threads named builds."""
     prov = {"config": dict(offline.DEFAULT_BUILD, threads=1, log_every=50)}
     assert offline._built_as(prov, offline.DEFAULT_BUILD)
     assert not offline._built_as({"config": dict(offline.DEFAULT_BUILD, steps=100)}, offline.DEFAULT_BUILD)
+    for build, name in ((dict(offline.DEFAULT_BUILD, steps=100), "m-d74b71af42"),
+                        (dict(offline.DEFAULT_BUILD, temperatures="1.0", threads=2), "m-6ebea7b595")):
+        assert offline.drafter_cache_dir("m", build).name == name

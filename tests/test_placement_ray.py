@@ -82,18 +82,17 @@ def test_colocated_pairs_share_a_gpu_and_replicas_sleep_between_rollouts(ray_fak
 def test_colocated_replicas_keep_their_caches_with_free_cache_engine_false(ray_fake_gpus, tiny_llama_dir):
     """rollout.free_cache_engine=false: a colocated replica stays awake between rollouts, its KV cache (and the
     graphs reading it, on a GPU) kept for the next one."""
-    import dataclasses
-
     from tlt.workers.placement import PlacedRollout
     a = assign_bundles("colocated", nnodes=1, n_gpus_per_node=1)
-    rollout = PlacedRollout(tiny_llama_dir, a, dataclasses.replace(CFG, free_cache_engine=False), SPOT,
-                            replica_cls=ProbedReplica)
+    rollout = PlacedRollout(tiny_llama_dir, a, CFG, SPOT, replica_cls=ProbedReplica, free_cache_engine=False)
     try:
         outs, _ = rollout.run_step(GROUPS, params(), 0)
         kept = ray.get(rollout.actors[0].where.remote())
         assert not rollout.sleep_between_steps and not kept["asleep"] and kept["kv_tensors"] > 0
-        outs2, _ = rollout.run_step(GROUPS, params(), 1)
+        outs2, rep = rollout.run_step(GROUPS, params(), 1)
         assert [[c.token_ids for c in o.outputs] for o in outs2] == [[c.token_ids for c in o.outputs] for o in outs]
+        # the replica's captures in the step reach the trainer's metrics (none on CPU)
+        assert rep.graph_captures == {0: 0} and rep.metrics()["spot/graph_capture_time_s"] == 0.0
     finally:
         rollout.close()
 

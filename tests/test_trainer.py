@@ -779,7 +779,8 @@ def test_rl_steps_capture_each_cuda_graph_once(tmp_path, tiny_dir, monkeypatch, 
     opts = {"speculative.enabled": True, "speculative.method": "eagle", "speculative.bs_threshold": 64,
             "speculative.hysteresis_steps": 1, "speculative.model": str(save_drafter(drafter, tmp_path / "drafter")),
             "speculative.adaptive": False,  # SD in every step
-            "drafter_train.min_buffer_tokens": 0, "drafter_train.batch_tokens": 128, "drafter_train.window_len": 32, "drafter_train.holdout_fraction": 0.0,
+            "drafter_train.min_buffer_tokens": 0, "drafter_train.batch_tokens": 128, "drafter_train.window_len": 32,
+            "drafter_train.holdout_fraction": 0.0,
             "drafter_train.backoff_max_steps": 0, "trainer.total_steps": 3, "rollout.dtype": rollout_dtype}
     cfg = load_config(None, make_overrides(tmp_path, tiny_dir, **opts))
     trainer = GRPOTrainer(cfg)

@@ -145,5 +145,42 @@ def test_replica_config_carries_every_speculative_key():
     got = SpecConfig.from_dict({**spec, "model": "<fresh>"})
     assert (got.adaptive, got.draft_topk, got.num_draft_tokens, got.acceptance, got.device_profile, got.epsilon) == \
         (False, 3, 7, "rejection", "gpu", 0.2)
-    assert ReplicaConfig.from_config(load_config(None, ["rollout.free_cache_engine=false"])).free_cache_engine is False
-    assert ReplicaConfig.from_config(run).free_cache_engine is True
+
+
+def test_replica_reports_the_graphs_captured_in_each_rl_step(tiny_llama_dir, monkeypatch):
+    """A replica's results carry the CUDA graphs its engine captured since the RL step's first generate (the
+    engine's counters are faked here: no capture on CPU), and LocalSpotRollout's report sums them as spot/ metrics."""
+    from tlt.engine.llm_engine import LLMEngine
+    counters = [2, 0.5]
+    monkeypatch.setattr(LLMEngine, "num_graph_captures", property(lambda self: counters[0]))
+    monkeypatch.setattr(LLMEngine, "graph_capture_time_s", property(lambda self: counters[1]))
+    replica = RolloutReplica(tiny_llama_dir, 0, cfg())
+    params = tlt.SamplingParams(n=1, temperature=0.0, max_tokens=4)
+
+    def step_stats(step):
+        st = replica.generate_groups(GROUPS, params, step).stats
+        return st["step_graph_captures"], st["step_graph_capture_time_s"]
+    assert step_stats(0) == (0, 0.0)
+    counters[:] = [5, 1.5]
+    assert step_stats(0) == (3, 1.0)  # the same RL step: since its first generate
+    assert step_stats(1) == (0, 0.0)
+    rollout = LocalSpotRollout(tiny_llama_dir, cfg(), SpotConfig(min_train_tokens=10**9))
+    _, rep = rollout.run_step(GROUPS, [params] * len(GROUPS), 0)
+    counters[:] = [9, 4.0]
+    _, rep = rollout.run_step(GROUPS, [params] * len(GROUPS), 0)
+    m = rep.metrics()
+    assert (m["spot/graph_captures"], m["spot/graph_capture_time_s"]) == (4.0, 2.5)
+
+
+def test_replica_trains_the_drafter_on_its_draft_vocabulary(tiny_llama_dir, tmp_path):
+    """A drafter with a reduced draft vocabulary: the replica's training copy scores the same vocabulary the engine
+    drafts with."""
+    from tlt.models.loader import read_config
+    from tlt.speculative.drafter import Drafter
+    from tlt.speculative.drafter_io import save_drafter
+    drafter = Drafter(read_config(tiny_llama_dir))
+    drafter.d2t = torch.arange(0, drafter.cfg.vocab_size, 4)
+    path = save_drafter(drafter, tmp_path / "drafter")
+    replica = RolloutReplica(tiny_llama_dir, 0, cfg(speculative={**SPEC, "model": str(path)}))
+    assert torch.equal(replica.spec.drafter.d2t, drafter.d2t)
+    assert replica.train_copy.d2t is replica.spec.drafter.d2t

@@ -34,24 +34,53 @@ def cpu_capability() -> str:
 
 
 def idle_cpu_cores(sample_s: float = 0.25) -> float | None:
-    """Cores of this process's CPU set that other processes leave idle now: the machine's busy time over `sample_s`
-    (/proc/stat, while this process sleeps) taken from the cores this process may use. None where /proc/stat is
-    unreadable (not Linux)."""
+    """Cores this process may run on (its CPU affinity, at most its cgroup's CPU quota) that other processes leave
+    idle now: those CPUs' idle share over `sample_s` in /proc/stat, while this process sleeps. None where /proc/stat
+    is unreadable (not Linux)."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
     def busy_total() -> tuple[int, int]:
+        busy = total = 0
         with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-        return sum(ticks) - idle, sum(ticks)
+            for line in f:
+                name, *fields = line.split()
+                if not name.startswith("cpu"):
+                    break  # the per-CPU lines come first
+                if name == "cpu" or (cpus is not None and int(name[3:]) not in cpus):
+                    continue
+                ticks = [int(x) for x in fields[:8]]  # guest time is counted in user time already
+                busy += sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+                total += sum(ticks)
+        return busy, total
     try:
         busy0, total0 = busy_total()
         time.sleep(sample_s)
         busy1, total1 = busy_total()
     except (OSError, ValueError, IndexError):
         return None
-    machine = os.cpu_count() or 1
-    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
-    busy = machine * (busy1 - busy0) / max(total1 - total0, 1)
-    return max(0.0, min(float(mine), machine - busy))
+    n = len(cpus) if cpus is not None else (os.cpu_count() or 1)
+    idle = n * (1 - (busy1 - busy0) / max(total1 - total0, 1))
+    quota = cgroup_cpu_quota()
+    return max(0.0, idle if quota is None else min(idle, quota))
+
+
+def cgroup_cpu_quota() -> float | None:
+    """The CPUs a container's cgroup lets this process use (cgroup v2 cpu.max, v1 cfs_quota_us); None without a
+    quota."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
+            quota = int(f.read())
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+            period = int(f.read())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -230,7 +230,7 @@ DEFAULT_TEMPERATURE = 0.6
 # 0.66) and accepted 1.51 tokens a depth-4 chain at 0.6; this build 1.79 (docs/design.md §2). Threads: the cores
 # idle when it starts (threads=0), so that none contends with another process for a core (on a shared machine
 # that made the same build 5x slower); on an idle 2-core AVX2 CPU two threads built it in 164 s against one
-# thread's 268 s, the same drafter bit for bit.
+# thread's 268 s, the same drafter bit for bit there.
 DEFAULT_BUILD = dict(num_prompts=256, max_tokens=128, steps=200, draft_vocab=8192, threads=0,
                      temperatures=str(DEFAULT_TEMPERATURE))
 
@@ -252,7 +252,9 @@ def drafter_cache_dir(model_path: str | Path, build: dict | None = None) -> Path
     which covers the prompt file's content (an edited file is another build), not only its path."""
     name = Path(model_path).name
     if build is not None and _canonical(build) != _canonical(DEFAULT_BUILD):
-        key = _canonical(build)
+        # the run-only keys at the values every warm-up build had while they named builds: cached drafters keep
+        # their directories
+        key = _canonical(build) | {"threads": 1, "log_every": 10}
         if key.get("data"):
             key["data_sha256"] = hashlib.sha256(Path(key["data"]).read_bytes()).hexdigest()
         name += "-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]

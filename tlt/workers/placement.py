@@ -66,14 +66,15 @@ def rollout_options(pg: PlacementGroup, a: Assignment, replica: int) -> dict:
 
 
 class PlacedRollout(SpotRollout):
-    """SpotRollout with one replica per rollout bundle of `a`; colocated replicas sleep between rollouts (unless
-    replica_cfg.free_cache_engine is false).
+    """SpotRollout with one replica per rollout bundle of `a`; colocated replicas sleep between rollouts unless
+    free_cache_engine is false (rollout.free_cache_engine).
     placement_group: an existing one holding `a`'s bundles (the trainer ranks' launcher made it), else one is
     reserved here; close() gives back the one it reserved."""
 
     def __init__(self, model, a: Assignment, replica_cfg: ReplicaConfig | None = None, spot: SpotConfig | None = None,
                  tokenizer=None, replica_cls: type[RolloutReplica] = RolloutReplica, ray_init: dict | None = None,
-                 placement_group_timeout_s: float = 60, placement_group: PlacementGroup | None = None):
+                 placement_group_timeout_s: float = 60, placement_group: PlacementGroup | None = None,
+                 free_cache_engine: bool = True):
         owns_ray = not ray.is_initialized()
         if owns_ray:  # no address: joins the cluster `ray start` made on this node, else starts a local one
             ray.init(**(ray_init or {"include_dashboard": False}))
@@ -83,8 +84,8 @@ class PlacedRollout(SpotRollout):
         options = [rollout_options(self.placement_group, a, r) for r in range(len(a.rollout_bundles))]
         try:
             super().__init__(model, len(options), replica_cfg, spot, tokenizer=tokenizer, replica_cls=replica_cls,
-                             replica_options=options, sleep_between_steps=a.mode == "colocated"
-                             and (replica_cfg is None or replica_cfg.free_cache_engine))
+                             replica_options=options,
+                             sleep_between_steps=a.mode == "colocated" and free_cache_engine)
         except Exception:
             if self._owns_placement_group:
                 remove_placement_group(self.placement_group)
@@ -108,11 +109,13 @@ def placed_rollout_from_config(cfg, model, replica_cfg: ReplicaConfig, spot: Spo
     RankSharedRollout (a collective: every rank builds one)."""
     t = cfg.trainer
     a = assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus)
+    free = cfg.rollout.free_cache_engine
     if not shared_by_ranks:
-        return PlacedRollout(model, a, replica_cfg, spot, tokenizer=tokenizer)
+        return PlacedRollout(model, a, replica_cfg, spot, tokenizer=tokenizer, free_cache_engine=free)
     pg = get_current_placement_group()
     if pg is None:
         raise RuntimeError("a trainer rank launched by trainer.placement must run on its placement group's bundle")
     is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    owner = PlacedRollout(model, a, replica_cfg, spot, tokenizer=tokenizer, placement_group=pg) if is_rank0 else None
+    owner = PlacedRollout(model, a, replica_cfg, spot, tokenizer=tokenizer, placement_group=pg,
+                          free_cache_engine=free) if is_rank0 else None
     return RankSharedRollout(owner)

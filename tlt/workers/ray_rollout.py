@@ -63,6 +63,7 @@ class _Step:
     outputs: dict[int, RequestOutput] = field(default_factory=dict)
     harvested: dict[int, float] = field(default_factory=dict)
     accept: dict[int, float] = field(default_factory=dict)
+    captures: dict[int, tuple[int, float]] = field(default_factory=dict)  # per replica: graphs, seconds this step
     published: list[int] = field(default_factory=list)
     pushes: int = 0
     refused: int = 0
@@ -168,7 +169,9 @@ class SpotRollout(SpotRolloutBase):
         report = SpotReport(rl_step, rep.rollout_s, idle, {r: st.harvested.get(r, 0.0) for r in self.actors},
                             rep.drafter_steps, sum(st.harvested.values()), rep.barrier_delay_s,
                             rep.barrier_delay_steps, rep.drafter_version, st.published, st.pushes, st.refused,
-                            st.accept, rep.requeued_groups, rep.dead_replicas, st.timed_out, st.failed_sessions)
+                            st.accept, rep.requeued_groups, rep.dead_replicas, st.timed_out, st.failed_sessions,
+                            graph_captures={r: c for r, (c, _) in st.captures.items()},
+                            graph_capture_s={r: s for r, (_, s) in st.captures.items()})
         if self.sleep_between_steps:
             self._call_live("sleep")
         missing = [g for g in self._work if g not in st.outputs]
@@ -224,6 +227,7 @@ class SpotRollout(SpotRolloutBase):
         if kind == "gen":
             self.tokens[rid] = res.train_tokens
             st.accept[rid] = res.stats.get("spec_accept_length", math.nan)
+            st.captures[rid] = (res.stats["step_graph_captures"], res.stats["step_graph_capture_time_s"])
             actions = []
             for out in res.outputs:
                 st.outputs.setdefault(out.group_id, out)

@@ -50,7 +50,6 @@ class ReplicaConfig:
     dtype: str = "auto"
     enforce_eager: bool = False      # no CUDA graphs (see tlt.engine.cuda_graph)
     attention: str = "auto"          # decode / verify attention backend (tlt.models.flex)
-    free_cache_engine: bool = True   # colocated: sleep between rollouts (free the KV caches and graphs)
     seed: int = 0                    # engine seed and fresh-drafter init (equal on every replica: one drafter)
     train_drafter: bool = True       # record hidden states and train the drafter (needs an eagle drafter)
     drafter_lr: float = 3e-4
@@ -67,8 +66,7 @@ class ReplicaConfig:
         """From a tlt.config.Config (sections model, data, rollout, speculative, drafter_train, trainer)."""
         s, d = cfg.speculative, cfg.drafter_train
         return cls(speculative=s.engine_config(cfg.trainer.seed), **cfg.engine_args(), device=cfg.model.device,
-                   dtype=cfg.rollout_dtype(), free_cache_engine=cfg.rollout.free_cache_engine,
-                   train_drafter=d.enabled and s.enabled and s.method == "eagle",
+                   dtype=cfg.rollout_dtype(), train_drafter=d.enabled and s.enabled and s.method == "eagle",
                    drafter_lr=d.lr, ttt_steps=d.ttt_steps,
                    batch_tokens=d.batch_tokens, buffer_max_tokens=d.buffer_max_tokens, window_len=d.window_len,
                    holdout_every=round(1 / d.holdout_fraction) if d.holdout_fraction > 0 else 0)
@@ -79,7 +77,8 @@ class GroupsResult:
     replica: int
     outputs: list[RequestOutput]  # one per group given, same order; hidden states only if the params asked
     train_tokens: int             # loss-carrying pairs in this replica's buffer after recording this rollout
-    stats: dict                   # llm.stats() for this RL step so far (spec_accept_length, ...)
+    stats: dict                   # llm.stats() for this RL step so far (spec_accept_length, ...), with the CUDA
+                                  # graphs captured in it (step_graph_captures, step_graph_capture_time_s)
     seconds: float
 
 
@@ -123,6 +122,7 @@ class RolloutReplica:
         if c.train_drafter and self.spec is not None and self.spec.drafter is not None:
             self.train_copy = Drafter(self.model.cfg).attach(self.model).to(self.model.lm_head_weight.device)
             self.train_copy.load_state_dict(self.spec.drafter.trainable_state_dict(), strict=False)
+            self.train_copy.d2t = self.spec.drafter.d2t  # trains on the draft vocabulary the engine drafts with
             self.buffer = DrafterBuffer(c.buffer_max_tokens, c.window_len, holdout_every=c.holdout_every)
             self.trainer = DrafterTrainer(self.train_copy, lr=c.drafter_lr, batch_tokens=c.batch_tokens,
                                           seed=c.seed + replica_id, ttt_steps=c.ttt_steps)
@@ -132,6 +132,7 @@ class RolloutReplica:
         self._generating = self._training = False
         self._deferred_train_state: dict | None = None
         self._stats_step: int | None = None
+        self._captures_before = (0, 0.0)  # _captures() when this RL step's first generate began
 
     def _build_spec(self, spec: dict) -> SpecDecoder:
         cfg = SpecConfig.from_dict(spec)
@@ -192,8 +193,10 @@ class RolloutReplica:
         with self._gen_lock:
             self._generating = True
             try:
-                if rl_step != self._stats_step and self.spec is not None:
-                    self.spec.reset_stats()  # accept-length figures per RL step, not cumulative
+                if rl_step != self._stats_step:
+                    if self.spec is not None:
+                        self.spec.reset_stats()  # accept-length figures per RL step, not cumulative
+                    self._captures_before = self._captures()
                 self._stats_step = rl_step
                 record = self.buffer is not None
                 engine, requests = self.llm.engine, []
@@ -208,7 +211,13 @@ class RolloutReplica:
         outputs = [self._output(seqs, list(prompt), p.return_hidden_states)
                    for seqs, (_, prompt), p in zip(requests, groups, params)]
         tokens = self._record(requests, rl_step) if record else 0
-        return GroupsResult(self.replica_id, outputs, tokens, self.llm.stats(), time.perf_counter() - t0)
+        captures, capture_s = (now - before for now, before in zip(self._captures(), self._captures_before))
+        stats = self.llm.stats() | {"step_graph_captures": captures, "step_graph_capture_time_s": capture_s}
+        return GroupsResult(self.replica_id, outputs, tokens, stats, time.perf_counter() - t0)
+
+    def _captures(self) -> tuple[int, float]:
+        """CUDA graphs this replica's engine has captured, and their seconds (llm.stats() counts them since start)."""
+        return self.llm.engine.num_graph_captures, self.llm.engine.graph_capture_time_s
 
     def _output(self, seqs: list[Seq], prompt: list[int], keep_hidden: bool) -> RequestOutput:
         tok = self.llm.tokenizer

@@ -61,6 +61,10 @@ class SpotReport:
     dead_replicas: list[int] = field(default_factory=list)
     timed_out_replicas: list[int] = field(default_factory=list)  # hung past replica_timeout_s (also dead)
     failed_sessions: int = 0          # drafter sessions that raised: nothing published, rollout goes on
+    # per replica, the CUDA graphs its engine captured in this step and their seconds (a colocated replica's sleep
+    # drops its graphs, rollout.free_cache_engine)
+    graph_captures: dict[int, float] = field(default_factory=dict)
+    graph_capture_s: dict[int, float] = field(default_factory=dict)
 
     def metrics(self, prefix: str = "spot/") -> dict[str, float]:
         """Flat float metrics for the trainer's logger."""
@@ -69,6 +73,8 @@ class SpotReport:
         out["harvested_s_total"] = sum(self.harvested_s.values())
         out["num_dead_replicas"] = float(len(self.dead_replicas))
         out["num_timed_out_replicas"] = float(len(self.timed_out_replicas))
+        out["graph_captures"] = float(sum(self.graph_captures.values()))
+        out["graph_capture_time_s"] = float(sum(self.graph_capture_s.values()))
         acc = [v for v in self.accept_length.values() if not math.isnan(v)]
         if acc:
             out["accept_length_mean"] = sum(acc) / len(acc)
@@ -137,7 +143,9 @@ class LocalSpotRollout(SpotRolloutBase):
         report = SpotReport(rl_step, rollout_s, {0: 0.0}, {0: 0.0}, steps, tr.seconds if tr else 0.0, 0.0,
                             0.0 if steps else math.nan, self.version, published, 0,
                             int(bool(tr and tr.steps and not tr.publish)),
-                            {0: res.stats.get("spec_accept_length", math.nan)})
+                            {0: res.stats.get("spec_accept_length", math.nan)},
+                            graph_captures={0: res.stats["step_graph_captures"]},
+                            graph_capture_s={0: res.stats["step_graph_capture_time_s"]})
         return res.outputs, report
 
     def close(self) -> None:
