@@ -33,11 +33,16 @@ def cpu_capability() -> str:
         return "DEFAULT"
 
 
+def usable_cpus() -> set[int]:
+    """The CPUs this process may run on (its affinity; every CPU where the OS does not say)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
 def idle_cpu_cores(sample_s: float = 0.25) -> float | None:
     """Cores this process may run on (its CPU affinity, at most its cgroup's CPU quota) that other processes leave
     idle now: those CPUs' idle share over `sample_s` in /proc/stat, while this process sleeps. None where /proc/stat
     is unreadable (not Linux)."""
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    cpus = usable_cpus()
 
     def busy_total() -> tuple[int, int]:
         busy = total = 0
@@ -46,7 +51,7 @@ def idle_cpu_cores(sample_s: float = 0.25) -> float | None:
                 name, *fields = line.split()
                 if not name.startswith("cpu"):
                     break  # the per-CPU lines come first
-                if name == "cpu" or (cpus is not None and int(name[3:]) not in cpus):
+                if name == "cpu" or int(name[3:]) not in cpus:
                     continue
                 ticks = [int(x) for x in fields[:8]]  # guest time is counted in user time already
                 busy += sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
@@ -58,8 +63,7 @@ def idle_cpu_cores(sample_s: float = 0.25) -> float | None:
         busy1, total1 = busy_total()
     except (OSError, ValueError, IndexError):
         return None
-    n = len(cpus) if cpus is not None else (os.cpu_count() or 1)
-    idle = n * (1 - (busy1 - busy0) / max(total1 - total0, 1))
+    idle = len(cpus) * (1 - (busy1 - busy0) / max(total1 - total0, 1))
     quota = cgroup_cpu_quota()
     return max(0.0, idle if quota is None else min(idle, quota))
 

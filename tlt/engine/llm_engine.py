@@ -161,7 +161,8 @@ class LLMEngine:
     @property
     def graph_capture_time_s(self) -> float:
         """Seconds spent capturing CUDA graphs so far, the target's and the speculator's (they share one pool)."""
-        return self.runner.graphs.pool.capture_s if self.runner.graphs is not None else 0.0
+        pool = self.graph_pool
+        return pool.capture_s if pool is not None else 0.0
 
     @property
     def graph_pool(self) -> GraphPool | None:

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from tlt.config import Config, ConfigError, format_config, load_config
-from tlt.device import DTYPES, huge_pages_for_host_tensors, retain_freed_host_memory
+from tlt.device import DTYPES, huge_pages_for_host_tensors, retain_freed_host_memory, usable_cpus
 from tlt.drafter_train.hook import DrafterHook
 from tlt.engine.outputs import RequestOutput
 from tlt.faults import fault_point
@@ -455,8 +455,7 @@ def spot_training(setting: bool | None, device: torch.device, world_size: int = 
     CPU and this machine's processes using fewer torch threads in all than it has cores)."""
     if setting is not None:
         return setting
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return device.type == "cpu" and torch.get_num_threads() * world_size < cores
+    return device.type == "cpu" and torch.get_num_threads() * world_size < len(usable_cpus())
 
 
 def retains_freed_memory(setting: bool | None, device: torch.device) -> bool:

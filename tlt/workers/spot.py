@@ -63,7 +63,7 @@ class SpotReport:
     failed_sessions: int = 0          # drafter sessions that raised: nothing published, rollout goes on
     # per replica, the CUDA graphs its engine captured in this step and their seconds (a colocated replica's sleep
     # drops its graphs, rollout.free_cache_engine)
-    graph_captures: dict[int, float] = field(default_factory=dict)
+    graph_captures: dict[int, int] = field(default_factory=dict)
     graph_capture_s: dict[int, float] = field(default_factory=dict)
 
     def metrics(self, prefix: str = "spot/") -> dict[str, float]:
