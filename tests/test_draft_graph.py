@@ -237,13 +237,18 @@ def test_drafter_swap_mid_rollout_reaches_the_static_path(tiny_llama_dir, traine
     assert not all(after)
 
 
-def test_drafter_captures_count_for_the_bandit(tiny_llama_dir, trained, monkeypatch):
-    """A drafter graph captured in a step counts among the engine's captures, so the bandit skips that step's time.
-    Captures are simulated on CPU (the static code runs uncaptured and counts one)."""
+def _simulate_captures(monkeypatch):
+    """CUDA graph captures simulated on the CPU: a GraphSet's capture runs its static code uncaptured and counts one."""
     def fake_capture(self, run):
         self.num_captured += 1
         return None, run()
     monkeypatch.setattr(GraphPool, "capture", fake_capture)
+
+
+def test_drafter_captures_count_for_the_bandit(tiny_llama_dir, trained, monkeypatch):
+    """A drafter graph captured in a step counts among the engine's captures, so the bandit skips that step's time.
+    Captures are simulated on CPU (the static code runs uncaptured and counts one)."""
+    _simulate_captures(monkeypatch)
     llm, spec = _llm(tiny_llama_dir, trained, CHAIN, static=True, pool=GraphPool())
     events = []
     update, step = spec.bandit.update, spec.step
@@ -297,10 +302,7 @@ def test_a_policy_update_keeps_the_drafters_graphs(tiny_llama_dir, trained, monk
     the policy update refreshes it in place, so the next rollout keeps every drafter graph (captures simulated on CPU
     as above; a copy at a new address dropped them all, to be captured again), and its drafts, tokens and log-probs
     equal the eager path's after the same update."""
-    def fake_capture(self, run):
-        self.num_captured += 1
-        return None, run()
-    monkeypatch.setattr(GraphPool, "capture", fake_capture)
+    _simulate_captures(monkeypatch)
     runs, first, captured = _policy_update_runs(tiny_llama_dir, trained)
     _same_rollouts(*runs)
     assert _kept_every_graph(runs[1][1].draft_graphs.graphs, first, captured)

@@ -247,6 +247,11 @@ def warmup_build(dt, data: str | None, temperature: float) -> dict:
     return build | ({"data": data} if data else {})
 
 
+# the keys that change how a build runs, not what it builds, at the values every build had while they were part of
+# a build's identity (its cache directory's name)
+_RUN_ONLY = {"threads": 1, "log_every": 10}
+
+
 def drafter_cache_dir(model_path: str | Path, build: dict | None = None) -> Path:
     """The default build's drafter is <cache>/drafters/<model name>; any other build's gets a suffix of its own,
     which covers the prompt file's content (an edited file is another build), not only its path."""
@@ -254,7 +259,7 @@ def drafter_cache_dir(model_path: str | Path, build: dict | None = None) -> Path
     if build is not None and _canonical(build) != _canonical(DEFAULT_BUILD):
         # the run-only keys at the values every warm-up build had while they named builds: cached drafters keep
         # their directories
-        key = _canonical(build) | {"threads": 1, "log_every": 10}
+        key = _canonical(build) | _RUN_ONLY
         if key.get("data"):
             key["data_sha256"] = hashlib.sha256(Path(key["data"]).read_bytes()).hexdigest()
         name += "-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
@@ -265,7 +270,7 @@ def _canonical(build: dict) -> dict:
     """A build with OfflineConfig's defaults filled in, so that equal builds compare equal however spelled; without
     the keys that change how it runs, not what it builds (threads, logging)."""
     return {k: v for k, v in dataclasses.asdict(OfflineConfig(**build)).items()
-            if k not in ("out", "model", "threads", "log_every")}
+            if k not in ("out", "model", *_RUN_ONLY)}
 
 
 def default_drafter_path(model_path: str | Path | None = None, build: dict | None = None) -> Path:

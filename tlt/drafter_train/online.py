@@ -97,12 +97,12 @@ class OnlineDrafterHook(DrafterHook):
                              "(speculative.enabled=true, speculative.method=eagle)")
         self.cfg, self.spec = cfg, spec
         self.max_steps, self.max_seconds = max_steps, max_seconds
-        self.drafter = _copy_of(spec.drafter)
+        self.drafter = training_copy(spec.drafter)
         self.trainer = DrafterTrainer(self.drafter, lr=cfg.lr, batch_tokens=cfg.batch_tokens, seed=seed,
                                       ckpt_dir=ckpt_dir, ckpt_every=cfg.ckpt_every if ckpt_dir else 0,
                                       ttt_steps=cfg.ttt_steps)
         # the warm-start drafter, never trained: the baseline of the per-step comparison (tlt.drafter_train.compare)
-        self.frozen = DrafterTrainer(_copy_of(spec.drafter), lr=0.0, batch_tokens=cfg.batch_tokens) \
+        self.frozen = DrafterTrainer(training_copy(spec.drafter), lr=0.0, batch_tokens=cfg.batch_tokens) \
             if cfg.compare_drafters else None
         self.fresh_heldout: list[tuple[DrafterSample, list[int], list[list[int]], int]] = []
         holdout_every = round(1 / cfg.holdout_fraction) if cfg.holdout_fraction > 0 else 0
@@ -450,8 +450,9 @@ class OnlineDrafterHook(DrafterHook):
             self.frozen.drafter.load_state_dict(state["frozen"], strict=False)
 
 
-def _copy_of(engine_drafter: Drafter) -> Drafter:
-    """An fp32 copy of the engine's drafter sharing the target's frozen embedding and LM head."""
+def training_copy(engine_drafter: Drafter) -> Drafter:
+    """An fp32 copy of the engine's drafter sharing the target's frozen embedding and LM head, and its draft
+    vocabulary: what a drafter round trains (here, and on a Ray replica)."""
     d = Drafter(engine_drafter.cfg).attach(engine_drafter.target)
     d.to(next(engine_drafter.parameters()).device, torch.float32)
     d.load_state_dict(engine_drafter.state_dict(), strict=False)

@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from tlt.drafter_train.buffer import DrafterBuffer
+from tlt.drafter_train.online import training_copy
 from tlt.drafter_train.trainer import DrafterTrainer, should_publish
 from tlt.engine.outputs import CompletionOutput, RequestOutput
 from tlt.engine.params import SamplingParams
@@ -120,9 +121,7 @@ class RolloutReplica:
         self.policy_version = 0
         self.buffer, self.trainer, self.train_copy = None, None, None
         if c.train_drafter and self.spec is not None and self.spec.drafter is not None:
-            self.train_copy = Drafter(self.model.cfg).attach(self.model).to(self.model.lm_head_weight.device)
-            self.train_copy.load_state_dict(self.spec.drafter.trainable_state_dict(), strict=False)
-            self.train_copy.d2t = self.spec.drafter.d2t  # trains on the draft vocabulary the engine drafts with
+            self.train_copy = training_copy(self.spec.drafter)  # with the draft vocabulary the engine drafts with
             self.buffer = DrafterBuffer(c.buffer_max_tokens, c.window_len, holdout_every=c.holdout_every)
             self.trainer = DrafterTrainer(self.train_copy, lr=c.drafter_lr, batch_tokens=c.batch_tokens,
                                           seed=c.seed + replica_id, ttt_steps=c.ttt_steps)
