@@ -171,7 +171,7 @@ class SpotRollout(SpotRolloutBase):
                             rep.barrier_delay_steps, rep.drafter_version, st.published, st.pushes, st.refused,
                             st.accept, rep.requeued_groups, rep.dead_replicas, st.timed_out, st.failed_sessions,
                             graph_captures={r: c for r, (c, _) in st.captures.items()},
-                            graph_capture_s={r: s for r, (_, s) in st.captures.items()})
+                            graph_capture_time_s={r: s for r, (_, s) in st.captures.items()})
         if self.sleep_between_steps:
             self._call_live("sleep")
         missing = [g for g in self._work if g not in st.outputs]

@@ -64,7 +64,7 @@ class SpotReport:
     # per replica, the CUDA graphs its engine captured in this step and their seconds (a colocated replica's sleep
     # drops its graphs, rollout.free_cache_engine)
     graph_captures: dict[int, int] = field(default_factory=dict)
-    graph_capture_s: dict[int, float] = field(default_factory=dict)
+    graph_capture_time_s: dict[int, float] = field(default_factory=dict)
 
     def metrics(self, prefix: str = "spot/") -> dict[str, float]:
         """Flat float metrics for the trainer's logger."""
@@ -74,7 +74,7 @@ class SpotReport:
         out["num_dead_replicas"] = float(len(self.dead_replicas))
         out["num_timed_out_replicas"] = float(len(self.timed_out_replicas))
         out["graph_captures"] = float(sum(self.graph_captures.values()))
-        out["graph_capture_time_s"] = float(sum(self.graph_capture_s.values()))
+        out["graph_capture_time_s"] = float(sum(self.graph_capture_time_s.values()))
         acc = [v for v in self.accept_length.values() if not math.isnan(v)]
         if acc:
             out["accept_length_mean"] = sum(acc) / len(acc)
@@ -145,7 +145,7 @@ class LocalSpotRollout(SpotRolloutBase):
                             int(bool(tr and tr.steps and not tr.publish)),
                             {0: res.stats.get("spec_accept_length", math.nan)},
                             graph_captures={0: res.stats["step_graph_captures"]},
-                            graph_capture_s={0: res.stats["step_graph_capture_time_s"]})
+                            graph_capture_time_s={0: res.stats["step_graph_capture_time_s"]})
         return res.outputs, report
 
     def close(self) -> None:
