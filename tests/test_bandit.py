@@ -262,8 +262,8 @@ def test_sd_steps_are_priced_at_the_current_plain_step_time():
     assert bandit.estimate(0, "off") == pytest.approx(1.0) and bandit.best(2) is OFF
     assert bandit.ledger_seconds(0) == pytest.approx(50 * (1.575 * t_off - 0.0205)) and 1.575 * t_off < 0.0205
     assert bandit.closed_buckets() == ["bs>=1"]
-    # by default the prices are read again every 16 "off" steps (and at the first), not at every one: an estimate
-    # costs O(1) a step, and a window of 300 steps is never priced more than 16 "off" steps late
+    # by default the prices are read again at each of the first 16 "off" steps, then every 16th, not at every one:
+    # an estimate costs O(1) a step, and a window of 300 steps is never priced more than 16 "off" steps late
     default = _one_bucket([OFF, chain], epsilon=0.0, min_samples=5)
     for _ in range(3):
         default.update(2, OFF, 2, 0.014)
@@ -271,9 +271,33 @@ def test_sd_steps_are_priced_at_the_current_plain_step_time():
         default.update(2, chain, 3.15, 0.0205)
     for _ in range(13):
         default.update(2, OFF, 2, 0.011)
-    assert default.estimate(0, "chain2") == pytest.approx(before)  # 15 "off" steps since the first's prices
-    default.update(2, OFF, 2, 0.011)
-    assert default.estimate(0, "chain2") == pytest.approx(1.575 * (3 * 0.014 + 14 * 0.011) / 17 / 0.0205)
+    priced_at_16 = 1.575 * (3 * 0.014 + 13 * 0.011) / 16 / 0.0205
+    assert default.estimate(0, "chain2") == pytest.approx(priced_at_16)  # the 16th "off" step repriced
+    for _ in range(15):
+        default.update(2, OFF, 2, 0.009)
+    assert default.estimate(0, "chain2") == pytest.approx(priced_at_16)  # 15 "off" steps since: not yet
+    default.update(2, OFF, 2, 0.009)
+    assert default.estimate(0, "chain2") == pytest.approx(1.575 * (3 * 0.014 + 13 * 0.011 + 16 * 0.009) / 32 / 0.0205)
+
+
+def test_a_bucket_with_few_off_steps_is_priced_at_all_of_them():
+    """Where SD pays, a bucket sees "off" only when the bandit explores. In a default-task run the bs-1 bucket ran its
+    first "off" step cold (12.9 ms) and 8 more over 12 rollouts at ~10 ms; repriced only at the first and every 16th,
+    its price stayed at 12.9 ms and each n-gram step there was valued 27% too high (the ledger's savings with it).
+    Each of the first 16 "off" steps reprices, so the price is the mean of all of them. Control: the first step's
+    price, which the old rule kept, is far from it."""
+    ngram = Arm("ngram6", "ngram", 6, 1, 6)
+    bandit = _one_bucket([OFF, ngram], epsilon=0.0)
+    bandit.update(1, OFF, 1, 0.0129)
+    for _ in range(8):
+        for _ in range(30):
+            bandit.update(1, ngram, 2.1, 0.018, critical=2.1)
+        bandit.update(1, OFF, 1, 0.0099, critical=1)
+    t_off = (0.0129 + 8 * 0.0099) / 9
+    assert bandit.plain_seconds(1, 1.0, critical=1.0) == pytest.approx(t_off)
+    assert abs(t_off - 0.0129) / t_off > 0.2  # control: the first step's price
+    assert bandit.estimate(0, "ngram6") == pytest.approx(2.1 * t_off / 0.018)
+    assert bandit.ledger_seconds(0) == pytest.approx(240 * (2.1 * t_off - 0.018))  # all in its window
 
 
 def test_off_is_one_at_every_mix_of_batch_sizes():

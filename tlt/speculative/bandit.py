@@ -17,8 +17,11 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   sizes of one bucket: at bs 2-4 a decode step costs about the same at either end, so whichever arm happened to run at
   bs 4 looked twice as fast as one that ran at bs 2.
 - Every arm is priced at the same, recent plain step time: a bucket's windows are priced again at "off"'s current
-  step times at its first "off" step and every `reprice_every` (16) after (every bucket's, for an "off" step at bs 1,
-  the fixed part below), not frozen at the time known when each step was recorded. Frozen, an SD step kept the
+  step times at each of its first `reprice_every` (16) "off" steps and every 16th after (every bucket's, for an "off"
+  step at bs 1, the fixed part below), not frozen at the time known when each step was recorded. Where SD pays, a
+  bucket sees few "off" steps (exploration only): repriced at its first and every 16th alone, the bs-1 price of a
+  default-task run stayed at its first plain step's 12.9 ms through 12 rollouts while its 8 later "off" steps took
+  9.9 ms (a median), so every SD step there was valued 27% too high (docs/results/sd_drafter_tail_cpu-zen4_2026-11-27.txt). Frozen, an SD step kept the
   t_off of its moment for its whole window: at bs 2 on a 2-core CPU the first plain steps of a process ran 13-16 ms
   and the later ones 10-11 ms, so a chain at 0.87x of plain decoding was recorded at 1.01x against "off"'s 0.94x and
   held 65% of the steps for hundreds of steps. Repricing at every "off" step instead cost O(batch sizes in the
@@ -274,7 +277,8 @@ class StrategyBandit:
         else:
             self.ledger[b].add(key, 0.0, 0.0, 0.0, price)
             self._off_since_reprice[b] += 1
-            if self._off_since_reprice[b] >= self.reprice_every or len(self.steps[b][arm.name]) == 1:
+            if (self._off_since_reprice[b] >= self.reprice_every
+                    or len(self.steps[b][arm.name]) <= self.reprice_every):  # a young window: each step counts
                 self._reprice(b)
         self._update_closed(b)
 
@@ -295,8 +299,9 @@ class StrategyBandit:
 
     def _reprice(self, b: int) -> None:
         """Price bucket b's windows at "off"'s current step times (every bucket's after an "off" step at the batch
-        size of one, whose time is every step's fixed part): every `reprice_every` "off" steps of the bucket, and at
-        its first. Between, steps are priced at the same prices, so each window's sum stays consistent."""
+        size of one, whose time is every step's fixed part): at each of the bucket's first `reprice_every` "off" steps
+        (while its window holds no more), then every `reprice_every`. Between, steps are priced at the same prices, so
+        each window's sum stays consistent."""
         for c in (range(len(self.arms)) if b == self.bucket(1) else [b]):
             self._costs[c] = {}
             self._off_since_reprice[c] = 0
