@@ -283,21 +283,41 @@ def test_sd_steps_are_priced_at_the_current_plain_step_time():
 def test_a_bucket_with_few_off_steps_is_priced_at_all_of_them():
     """Where SD pays, a bucket sees "off" only when the bandit explores. In a default-task run the bs-1 bucket ran its
     first "off" step cold (12.9 ms) and 8 more over 12 rollouts at ~10 ms; repriced only at the first and every 16th,
-    its price stayed at 12.9 ms and each n-gram step there was valued 27% too high (the ledger's savings with it).
+    its price stayed at 12.9 ms and each n-gram step there was valued 30% too high (the ledger's savings with it).
     Each of the first 16 "off" steps reprices, so the price is the mean of all of them. Control: the first step's
     price, which the old rule kept, is far from it."""
     ngram = Arm("ngram6", "ngram", 6, 1, 6)
     bandit = _one_bucket([OFF, ngram], epsilon=0.0)
     bandit.update(1, OFF, 1, 0.0129)
-    for _ in range(8):
+    for k in range(1, 9):
         for _ in range(30):
             bandit.update(1, ngram, 2.1, 0.018, critical=2.1)
         bandit.update(1, OFF, 1, 0.0099, critical=1)
+        mean = (0.0129 + k * 0.0099) / (k + 1)  # every "off" step so far, at each of them
+        assert bandit.plain_seconds(1, 1.0, critical=1.0) == pytest.approx(mean)
+        assert bandit.estimate(0, "ngram6") == pytest.approx(2.1 * mean / 0.018)
     t_off = (0.0129 + 8 * 0.0099) / 9
     assert bandit.plain_seconds(1, 1.0, critical=1.0) == pytest.approx(t_off)
     assert abs(t_off - 0.0129) / t_off > 0.2  # control: the first step's price
     assert bandit.estimate(0, "ngram6") == pytest.approx(2.1 * t_off / 0.018)
     assert bandit.ledger_seconds(0) == pytest.approx(240 * (2.1 * t_off - 0.018))  # all in its window
+
+
+def test_a_young_bs1_reprice_carries_the_fixed_part_into_every_bucket():
+    """The fixed part of a plain step, min(t_off(1), t_off(bs)), prices the critical row's tokens in every bucket, so
+    each of the bs-1 bucket's first "off" steps reprices them all: after a cold 12.9 ms step and a 9.9 ms one, a bs-3
+    chain step giving the critical row 2 tokens and the others 2.5 is priced with a fixed part of 11.4 ms. Control:
+    priced at the first bs-1 step alone, the fixed part would be min(12.9, 12) = 12 ms and the others' tokens worth
+    nothing."""
+    chain = Arm("chain2", "eagle_chain", 2, 1, 2)
+    bandit = StrategyBandit([1, 4, math.inf], [[OFF], [OFF, chain], [OFF]], epsilon=0.0, close=False)
+    for _ in range(4):
+        bandit.update(3, OFF, 3, 0.012, critical=1)
+    bandit.update(1, OFF, 1, 0.0129, critical=1)
+    assert bandit.plain_seconds(3, 4.5, critical=2.0) == pytest.approx(2 * 0.012)  # fixed 12 ms, per row 0
+    bandit.update(1, OFF, 1, 0.0099, critical=1)
+    fixed = (0.0129 + 0.0099) / 2
+    assert bandit.plain_seconds(3, 4.5, critical=2.0) == pytest.approx(2 * fixed + 2.5 * (0.012 - fixed) / 2)
 
 
 def test_off_is_one_at_every_mix_of_batch_sizes():

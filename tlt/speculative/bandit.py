@@ -21,7 +21,9 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   step at bs 1, the fixed part below), not frozen at the time known when each step was recorded. Where SD pays, a
   bucket sees few "off" steps (exploration only): repriced at its first and every 16th alone, the bs-1 price of a
   default-task run stayed at its first plain step's 12.9 ms through 12 rollouts while its 8 later "off" steps took
-  9.9 ms (a median), so every SD step there was valued 27% too high (docs/results/sd_drafter_tail_cpu-zen4_2026-11-27.txt). Frozen, an SD step kept the
+  9.9 ms (a median), so every SD step there was valued 30% too high
+  (docs/results/sd_drafter_tail_cpu-zen4_2026-11-27.txt). The price is the window's mean, so a cold first step still
+  weighs 1/n of it. Frozen, an SD step kept the
   t_off of its moment for its whole window: at bs 2 on a 2-core CPU the first plain steps of a process ran 13-16 ms
   and the later ones 10-11 ms, so a chain at 0.87x of plain decoding was recorded at 1.01x against "off"'s 0.94x and
   held 65% of the steps for hundreds of steps. Repricing at every "off" step instead cost O(batch sizes in the
