@@ -18,12 +18,10 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   bs 4 looked twice as fast as one that ran at bs 2.
 - Every arm is priced at the same, recent plain step time: a bucket's windows are priced again at "off"'s current step
   times at each of its first `reprice_every` (16) "off" steps and every 16th after (every bucket's, for an "off" step
-  at bs 1, the fixed part below), not frozen at the time known when each step was recorded. Where SD pays, a bucket
-  sees few "off" steps (exploration only): repriced at its first and every 16th alone, the bs-1 price of a
-  default-task run stayed at its first plain step's 12.9 ms through 12 rollouts while its 8 later "off" steps took 9.9
-  ms (a median), so every SD step there was valued 30% too high
-  (docs/results/sd_drafter_tail_cpu-zen4_2026-11-27.txt). The price is the window's mean, so a cold first step still
-  weighs 1/n of it. Frozen, an SD step kept the t_off of its moment for its whole window: at bs 2 on a 2-core CPU the
+  at bs 1, the fixed part below), not frozen at the time known when each step was recorded. Each of the first 16
+  counts because a bucket where SD pays sees few "off" steps: priced at its first alone, a cold first step set the
+  price for a whole run (docs/design.md §6). The price is the window's mean, so a cold first step still weighs 1/n of
+  it. Frozen, an SD step kept the t_off of its moment for its whole window: at bs 2 on a 2-core CPU the
   first plain steps of a process ran 13-16 ms and the later ones 10-11 ms, so a chain at 0.87x of plain decoding was
   recorded at 1.01x against "off"'s 0.94x and held 65% of the steps for hundreds of steps. Repricing at every "off"
   step instead cost O(batch sizes in the window) a step: about 250 us a step at bs 21-200 with the GPU table, against
