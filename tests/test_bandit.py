@@ -411,7 +411,7 @@ def test_a_bucket_where_sd_loses_closes_and_a_new_drafter_reopens_it():
     table = [OFF, Arm("chain2", "eagle_chain", 2, 1, 2), Arm("ngram4", "ngram", 4, 1, 4)]
 
     def run(close):
-        bandit = _one_bucket(table, epsilon=0.2, close=close, min_samples=5)
+        bandit = _one_bucket(table, epsilon=0.2, close=close, min_samples=5, probe=0.0)
         late_sd = 0
         for step in range(3000):
             arm = bandit.select(1)
@@ -425,6 +425,82 @@ def test_a_bucket_where_sd_loses_closes_and_a_new_drafter_reopens_it():
     assert bandit.closed_buckets() == [] and bandit.capturing(7)
     _, late_sd_open = run(close=False)
     assert late_sd_open >= 5  # control: exploration and rechecks go on (decayed, never zero)
+
+
+def test_a_closed_bucket_probes_again_at_a_bounded_cost_and_finds_where_sd_starts_to_pay():
+    """A bucket where SD loses (arms at 0.8x of plain decoding) for 3000 steps, then pays (1.5x: the text turned
+    repetitive, say), with no new drafter. With probe=0.05 a closed bucket opens again, every SD arm tried afresh,
+    once plain decoding there took 20x what SD lost before it closed: over the losing stretch after the first close,
+    the probes cost under 5% of the bucket's time, and after the turn SD runs nearly every step. Control: probe=0
+    stays closed, plain decoding to the end."""
+    table = [OFF, Arm("chain2", "eagle_chain", 2, 1, 2), Arm("ngram4", "ngram", 4, 1, 4)]
+
+    def run(probe):
+        bandit = _one_bucket(table, epsilon=0.2, min_samples=5, probe=probe)
+        lost = seconds = late_sd = 0.0
+        for step in range(6000):
+            arm, speed = bandit.select(1), 0.8 if step < 3000 else 1.5
+            counted = bandit.probes > 0 or bandit.closed_buckets()  # after the first close
+            bandit.update(1, arm, 1.0 if arm is OFF else speed, 1.0)
+            if counted and step < 3000:
+                seconds += 1.0
+                lost += 0.0 if arm is OFF else 1.0 - speed  # plain decoding gives 1 token a second
+            late_sd += step >= 4000 and arm is not OFF
+        return bandit, lost / seconds, late_sd / 2000
+
+    bandit, cost, late = run(0.05)
+    assert bandit.probes >= 5 and 0 < cost < 0.05 and late > 0.95
+    bandit, cost, late = run(0.0)
+    assert bandit.probes == 0 and cost == 0 and late == 0 and bandit.closed_buckets() == ["bs>=1"]
+
+
+def test_a_probe_waits_in_proportion_to_what_sd_lost():
+    """A bucket that lost 0.1 s (one chain step at 0.9x) opens again after 2 s of plain decoding there at probe 0.05:
+    1.9 s leaves it closed, the step past 2 s opens it with its SD arms' windows emptied (tried afresh) and "off"'s
+    kept; a bucket that lost twice as much waits twice as long."""
+    chain = Arm("chain2", "eagle_chain", 2, 1, 2)
+    for lost, wait in ((0.1, 2.0), (0.2, 4.0)):
+        bandit = _one_bucket([OFF, chain], epsilon=0.0, min_samples=1, probe=0.05)
+        bandit.update(1, OFF, 1.0, 1.0)
+        bandit.update(1, chain, 1.0 - lost, 1.0)
+        assert bandit.closed_buckets() == ["bs>=1"]
+        for _ in range(round(wait / 0.1) - 1):
+            bandit.update(1, OFF, 0.1, 0.1)
+        assert bandit.closed_buckets() == ["bs>=1"] and bandit.probes == 0, lost
+        bandit.update(1, OFF, 0.1, 0.1)
+        assert bandit.closed_buckets() == [] and bandit.probes == 1 and bandit.capturing(1), lost
+        assert bandit.untried == [["chain2"]] and len(bandit.steps[0]["off"]) == round(wait / 0.1) + 1
+        assert bandit.select(1) is chain
+
+
+def test_n_gram_hits_in_a_closed_bucket_bring_its_probe_nearer():
+    """A closed bucket waits 2 s of plain decoding (steps of 0.06 s) for its probe: it lost 0.1 s. Where the n-gram
+    drafter, asked at each plain step, would have proposed the drawn token at all of the last 16 (a repetitive
+    stretch), the wait is a quarter of that, 0.5 s, but 16 steps must be asked first; at a hit rate h it is 1 - h of
+    it: at half of them, half; with hits from the 11th step on, it shrinks as they fill the 16; none held, or no
+    n-gram arm: all of it. Only a closed bucket with an n-gram arm asks (`shadowing`), and a probe starts the count
+    again."""
+    chain, ngram = Arm("chain2", "eagle_chain", 2, 1, 2), Arm("ngram4", "ngram", 4, 1, 4)
+
+    def steps_to_probe(hits, arms=(OFF, chain, ngram)):
+        bandit = _one_bucket(list(arms), epsilon=0.0, min_samples=1, probe=0.05)
+        bandit.update(1, OFF, 1.0, 1.0)
+        for arm in arms[1:]:
+            bandit.update(1, arm, 0.9 if arm is chain else 1.0, 1.0)  # lost 0.1 s
+        assert bandit.closed_buckets() == ["bs>=1"] and bandit.shadowing(1) is (ngram in arms)
+        for n in range(1, 100):
+            if ngram in arms:
+                bandit.shadow(1, hits(n))
+            bandit.update(1, OFF, 0.06, 0.06)
+            if not bandit.closed_buckets():
+                assert not bandit.shadowing(1) and not bandit.shadow_hits[0] and bandit.probes == 1
+                return n
+        return None
+
+    assert steps_to_probe(lambda n: True) == 16
+    assert steps_to_probe(lambda n: n % 2 == 0) == 17  # 1.02 s >= 1 s
+    assert steps_to_probe(lambda n: n > 10) == 18  # 1.08 s >= 2 s * (1 - 8 / 16)
+    assert steps_to_probe(lambda n: False) == 34 and steps_to_probe(lambda n: True, (OFF, chain)) == 34
 
 
 def test_a_new_drafter_reopens_only_the_closed_buckets_where_its_gain_could_pay():
@@ -481,7 +557,7 @@ def test_a_bucket_where_sd_pays_never_closes_and_charges_can_close_one():
 def test_a_closed_bucket_runs_off_even_if_an_sd_arm_looks_best_later():
     """Closed means plain decoding: "off" is returned even when its estimate drifts below a (frozen) SD arm's."""
     chain = Arm("chain2", "eagle_chain", 2, 1, 2)
-    bandit = _one_bucket([OFF, chain], epsilon=0.0, min_samples=1)
+    bandit = _one_bucket([OFF, chain], epsilon=0.0, min_samples=1, probe=0.0)
     bandit.update(1, OFF, 1.0, 1.0)
     bandit.update(1, chain, 0.9, 1.0)
     assert bandit.closed_buckets() == ["bs>=1"]

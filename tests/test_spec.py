@@ -391,6 +391,34 @@ def test_a_closed_bucket_keeps_no_hidden_states_and_a_new_drafter_resumes_the_ca
     assert llm.spec.stats()["spec_closed_buckets"] == 0  # reopened by the publish
 
 
+def test_a_closed_bucket_asks_the_n_gram_drafter_about_each_plain_step(sharp_llama):
+    """Every plain step in a closed bucket asks the n-gram drafter for a row's next token and tells the bandit whether
+    the row drew it (StrategyBandit.shadow, which brings a probe nearer). One greedy request alone: the hits are those
+    of a fresh NgramDrafter replaying its tokens, from the first decoded token on (the prefill draws the first). The
+    output repeats itself, so some are hits. Control: open buckets ask nothing."""
+    from tlt.speculative.ngram import NgramDrafter
+    model, drafter_dir = sharp_llama
+    prompt = [3, 7, 1, 3, 7, 1, 3, 7]
+    params = tlt.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def run(closed):
+        llm = tlt.LLM(model, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=None))
+        bandit, got = llm.spec.bandit, []
+        bandit.closed, bandit.close = [closed] * len(bandit.closed), False  # as they are (no rule closes or probes)
+        bandit.shadow = lambda bs, hit: got.append(hit)
+        return llm.generate([prompt], params)[0].outputs[0].token_ids, got
+
+    tokens, got = run(closed=True)
+    replay = NgramDrafter(max_n=SpecConfig().ngram_max_n, min_n=SpecConfig().ngram_min_n)
+    replay.register(0, 0, tuple(prompt), prompt)
+    hits = []
+    for t in tokens:
+        hits.append(replay.propose(0, 1) == [t])
+        replay.update(0, [t])
+    assert got == hits[1:] and any(got)
+    assert run(closed=False)[1] == []
+
+
 def test_above_the_gate_the_capture_follows_whether_any_bucket_is_open(sharp_llama):
     """Above bs_threshold SD never runs, so no bucket owns those steps: they keep hidden states (the context the
     tail's drafts read, and drafter data) while any bucket is open, none once all are closed, and their capture

@@ -63,6 +63,18 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   at bs 2-16, so a 10% better drafter cannot pay there, and reopening cost the next rollout its exploration
   again. Without closing, exploration and the rechecks of dominated arms cost a steady share of SD steps that
   lose, and the capture costs every step, in buckets where SD never pays.
+- A closed bucket also opens again by itself to probe (`probe`, 0.05): once plain decoding there has taken
+  1 / probe times the seconds SD lost before it closed, with its SD arms' windows emptied, so each is tried afresh.
+  Where SD never pays, the probes cost about `probe` of the bucket's time; where it starts to pay, SD gets its
+  chance without waiting for a drafter. What pays changes with the text, not only with the drafter: in a default
+  run the buckets closed in the short-tailed first steps, and later steps ended in rows looping to the length limit,
+  where n-gram drafts held 4-5 tokens a step (docs/design.md §6). A closed bucket reopened only for a new drafter,
+  and no round published one, so SD missed them.
+- The wait for a probe is shorter where the text repeats: at each plain step a closed bucket with an n-gram arm asks
+  the n-gram drafter for one row's next token (rows in turn; a dictionary lookup), and at a hit rate h over the last
+  16 asked the wait is max(1 - h, 1/4) of the above. A row looping at the length limit brings the probe within 16
+  steps; a false alarm costs at most 4 times `probe`. Not 1 - h ** d, as if a d-token draft's tokens held
+  independently: in a loop they hold together, and that wait missed the loops (docs/design.md §6).
 """
 from __future__ import annotations
 
@@ -73,6 +85,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 METHODS = ("eagle_chain", "eagle_tree", "ngram", "off")
+SD_METHODS = METHODS[:-1]
+SHADOW = 16  # a closed bucket's shadow n-gram steps that set its hit rate
 
 
 @dataclass(frozen=True)
@@ -191,7 +205,7 @@ class StrategyBandit:
     def __init__(self, bucket_bounds: Sequence[float] | None = None, arms: Sequence[Sequence[Arm]] | None = None,
                  epsilon: float = 0.1, window: int = 300, seed: int = 0, min_gain: float = 0.03,
                  margin: float = 0.15, min_samples: int = 5, recheck: float = 0.1, far: float = 0.5,
-                 close: bool = True, reprice_every: int = 16):
+                 close: bool = True, reprice_every: int = 16, probe: float = 0.05):
         if bucket_bounds is None and arms is None:
             bucket_bounds, arms = default_arm_table("cpu")
         if bucket_bounds is None or arms is None or len(bucket_bounds) != len(arms):
@@ -207,7 +221,9 @@ class StrategyBandit:
         self.bounds, self.arms = list(bucket_bounds), [list(a) for a in arms]
         self.epsilon, self.window = epsilon, window
         self.min_gain, self.margin, self.min_samples, self.recheck = min_gain, margin, min_samples, recheck
-        self.far, self.close, self.reprice_every = far, close, reprice_every
+        self.far, self.close, self.reprice_every, self.probe = far, close, reprice_every, probe
+        if not 0 <= probe <= 0.5:
+            raise ValueError(f"probe must be in [0, 0.5], got {probe}")
         self.rng = random.Random(seed)
         # per bucket and arm: its last `window` steps (select() runs every SD decode step: estimates read sums)
         self.steps = [{a.name: _Window(window) for a in bucket} for bucket in self.arms]
@@ -225,6 +241,13 @@ class StrategyBandit:
         self.closed = [False for _ in self.arms]
         self.closed_gain = [1.0 for _ in self.arms]  # per bucket: accept-length growth published since it opened
         self.sd_since_open = [0 for _ in self.arms]    # SD steps recorded per bucket since it (re)opened
+        # per closed bucket: plain seconds decoded since it closed, and at how many it reopens to probe (`probe`)
+        self.closed_plain_s = [0.0 for _ in self.arms]
+        self.probe_after = [math.inf for _ in self.arms]
+        self.probes = 0                                 # probes started, all buckets
+        # per closed bucket with an n-gram arm: whether the n-gram drafter would have proposed the token a row drew,
+        # at its last SHADOW plain steps (one row a step; `shadow`), which shortens the wait for a probe
+        self.shadow_hits = [deque(maxlen=SHADOW) for _ in self.arms]
 
     def bucket(self, batch_size: int) -> int:
         return next(i for i, hi in enumerate(self.bounds) if batch_size <= hi)
@@ -280,6 +303,12 @@ class StrategyBandit:
             if (self._off_since_reprice[b] >= self.reprice_every
                     or len(self.steps[b][arm.name]) <= self.reprice_every):  # a young window: each step counts
                 self._reprice(b)
+            if self.closed[b]:
+                self.closed_plain_s[b] += float(seconds)
+                if self.closed_plain_s[b] >= self.probe_after[b] * max(1.0 - self.shadow_rate(b), 0.25):
+                    self.probes += 1
+                    self._reopen(b, SD_METHODS, keep=0)
+                    return
         self._update_closed(b)
 
     def charge(self, batch_size: int, seconds: float) -> None:
@@ -321,6 +350,27 @@ class StrategyBandit:
         self.closed[b] = all(len(self.steps[b][a.name]) >= self.min_samples
                              or (self.steps[b][a.name] and self.estimate(b, a.name) < self.far * off)
                              for a in self.arms[b] if a.method != "off") and self.ledger_seconds(b) < 0
+        if self.closed[b]:  # it probes again once plain decoding there took 1 / probe times what SD lost
+            self.closed_plain_s[b] = 0.0
+            self.probe_after[b] = -self.ledger_seconds(b) / self.probe if self.probe else math.inf
+
+    def shadowing(self, batch_size: int) -> bool:
+        """Whether a plain step at this batch size should ask the n-gram drafter for a row's next token (`shadow`):
+        its bucket is closed, probes, and has an n-gram arm."""
+        b = self.bucket(batch_size)
+        return self.closed[b] and self.probe > 0 and any(a.method == "ngram" for a in self.arms[b])
+
+    def shadow(self, batch_size: int, hit: bool) -> None:
+        """Record whether the n-gram drafter, asked before a plain step in a closed bucket, proposed the token a row
+        then drew (a row without a proposal is a miss)."""
+        b = self.bucket(batch_size)
+        if self.closed[b]:
+            self.shadow_hits[b].append(bool(hit))
+
+    def shadow_rate(self, b: int) -> float:
+        """Share of hits over the bucket's last SHADOW shadow steps; 0 before it has that many."""
+        hits = self.shadow_hits[b]
+        return sum(hits) / len(hits) if len(hits) == hits.maxlen else 0.0
 
     def capturing(self, batch_size: int) -> bool:
         """Whether steps at this batch size should keep hidden states for the drafter (no: its bucket is closed)."""
@@ -337,19 +387,26 @@ class StrategyBandit:
         arms, as much faster as the drafters published since it closed made them together, could beat "off" there
         (`could_pay`); None reopens every bucket."""
         keep = self.min_samples if keep is None else keep
-        for b, bucket in enumerate(self.arms):
+        for b in range(len(self.arms)):
             if self.closed[b] and gain is not None:
                 grown = self.closed_gain[b] * max(1 + gain, 0.0)
                 if not self.could_pay(b, methods, grown - 1):
                     self.closed_gain[b] = grown  # stays closed: plain decoding, no capture, windows as they were
                     continue
-            self.since_forget[b] = 0
-            self.closed[b], self.closed_gain[b] = False, 1.0  # the new drafter gets its chance; the ledger restarts
-            self.sd_since_open[b] = 0
-            self.ledger[b].keep_last(0, self._prices[b])
-            for a in bucket:
-                if a.method in methods:
-                    self.steps[b][a.name].keep_last(keep, self._prices[b])
+            self._reopen(b, methods, keep)
+
+    def _reopen(self, b: int, methods: Sequence[str], keep: int) -> None:
+        """Open bucket b (if closed) with an empty ledger and exploration restarted, these methods' arms cut to their
+        last `keep` steps."""
+        self.since_forget[b] = 0
+        self.closed[b], self.closed_gain[b] = False, 1.0  # the new drafter gets its chance; the ledger restarts
+        self.closed_plain_s[b], self.probe_after[b] = 0.0, math.inf
+        self.shadow_hits[b].clear()
+        self.sd_since_open[b] = 0
+        self.ledger[b].keep_last(0, self._prices[b])
+        for a in self.arms[b]:
+            if a.method in methods:
+                self.steps[b][a.name].keep_last(keep, self._prices[b])
 
     def could_pay(self, b: int, methods: Sequence[str], gain: float) -> bool:
         """Whether an arm of these methods in bucket b, emitting (1 + gain) times the tokens it did for the same

@@ -32,8 +32,15 @@ class SpecConfig:
     window: int = option(300, "bandit sliding window (steps) for each arm's tokens/s estimate", ge=1)
     close_buckets: bool = option(True, "a batch-size bucket where SD lost time (net of the hidden-state capture) and "
                                        "plain decoding is the bandit's choice decodes plainly, without exploring "
-                                       "or capturing hidden states, until a new drafter is published "
-                                       "(docs/design.md §6)")
+                                       "or capturing hidden states, until it probes again (probe_closed) or a new "
+                                       "drafter is published (docs/design.md §6)")
+    probe_closed: float = option(0.05, "a closed bucket opens again to probe, every SD arm tried afresh, once it has "
+                                       "decoded plainly for 1 / probe_closed times the seconds SD lost there before "
+                                       "it closed, sooner where the n-gram drafter, asked one row's next token each "
+                                       "plain step, keeps guessing it (a repetitive tail): where SD never pays, "
+                                       "probing costs about this fraction of the bucket's time. 0 = only a new "
+                                       "drafter reopens it (docs/design.md §6)",
+                                 ge=0, le=0.5)
     acceptance: Literal["invariant", "rejection"] = option(
         "invariant", "invariant = deterministic drafts, the target's own draw accepted when a draft holds it (a "
                      "seeded request samples the same tokens with SD on or off); rejection = chain drafts sampled "

@@ -47,7 +47,7 @@ class SpecDecoder:
         self.ngram = NgramDrafter(max_n=cfg.ngram_max_n, min_n=cfg.ngram_min_n)
         bounds, arms = cfg.arm_table(has_drafter=drafter is not None, device_type=engine.device.type)
         self.bandit = StrategyBandit(bounds, arms, epsilon=cfg.epsilon, window=cfg.window, seed=cfg.seed,
-                                     close=cfg.close_buckets)
+                                     close=cfg.close_buckets, probe=cfg.probe_closed)
         self.dcache = KVCache(self.model.cfg, engine.num_slots, engine.dtype, engine.device, num_layers=1) \
             if drafter else None
         # the drafter's per-depth forwards through CUDA graphs where the engine graphs its own (docs/design.md §9)
@@ -63,6 +63,7 @@ class SpecDecoder:
         self.catch_up_chunk = cfg.max_draft_len()
         self.low_steps = 0
         self._speculating = False  # inside an SD step, whose measured time already includes its capture
+        self._shadow_turn = 0      # the row a closed bucket's plain step asks the n-gram drafter about
         self.drafter_version = 0
         self.reset_stats()
         engine.attach_speculator(self, slot_caches=(self.dcache,) if self.dcache is not None else (),
@@ -86,7 +87,7 @@ class SpecDecoder:
                    "accept_by_bucket": defaultdict(lambda: [0, 0]), "accept_by_pos": defaultdict(lambda: [0, 0]),
                    "arm_counts": defaultdict(int), "draft_time_s": 0.0, "verify_time_s": 0.0,
                    "catchup_time_s": 0.0, "hist_time_s": 0.0, "sd_step_time_s": 0.0, "plain_equiv_s": 0.0,
-                   "bulk_time_s": 0.0, "tail_time_s": 0.0}
+                   "bulk_time_s": 0.0, "tail_time_s": 0.0, "probes": 0}
         self._gate_on = False
 
     def stats(self) -> dict:
@@ -108,8 +109,10 @@ class SpecDecoder:
             "spec_catchup_time_s": s["catchup_time_s"], "spec_hidden_keep_time_s": s["hist_time_s"],
             "spec_step_time_s": s["sd_step_time_s"], "spec_net_saved_s": s["plain_equiv_s"] - s["sd_step_time_s"],
             "decode_time_bulk_s": s["bulk_time_s"], "decode_time_tail_s": s["tail_time_s"],
-            # buckets where SD did not pay: plain decoding without exploration or capture until a new drafter
+            # buckets where SD did not pay: plain decoding without exploration or capture until a probe or a new
+            # drafter
             "spec_closed_buckets": len(self.bandit.closed_buckets()),
+            "spec_probes": s["probes"],  # closed buckets opened again to probe (probe_closed)
         }
 
     def record_decode_time(self, seconds: float) -> None:
@@ -217,10 +220,19 @@ class SpecDecoder:
         self.st["gate_steps"] += 1
         self.st["spec_on_steps"] += arm.method != "off"
         if arm.method == "off":
+            # a closed bucket asks the n-gram drafter for one row's next token (rows in turn): a stretch where it
+            # would hold (a repetitive tail) brings the bucket's next probe nearer (StrategyBandit.shadow)
+            shadow = None
+            if self.bandit.shadowing(len(seqs)):
+                self._shadow_turn = row = (self._shadow_turn + 1) % len(seqs)
+                shadow = row, self.ngram.propose(seqs[row].seq_id, 1)
             logits, hidden = self.engine.decode_forward(seqs)
             self.on_plain_decode(seqs, hidden)
             done = self.engine.sample_and_append(seqs, logits, hidden)
             emitted = len(seqs)
+            if shadow is not None:
+                row, guess = shadow
+                self.bandit.shadow(len(seqs), guess[:1] == seqs[row].output_ids[-1:])
         else:
             self._speculating = True
             try:
@@ -237,7 +249,9 @@ class SpecDecoder:
             if arm.method != "off" and (plain := self.bandit.plain_seconds(len(seqs), emitted, critical)) is not None:
                 self.st["sd_step_time_s"] += seconds
                 self.st["plain_equiv_s"] += plain
+            probes = self.bandit.probes
             self.bandit.update(len(seqs), arm, emitted, seconds, critical)
+            self.st["probes"] += self.bandit.probes - probes
         return done
 
     def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str) -> tuple[list[Sequence], int]:
