@@ -455,21 +455,28 @@ def test_a_closed_bucket_probes_again_at_a_bounded_cost_and_finds_where_sd_start
 
 
 def test_a_probe_waits_in_proportion_to_what_sd_lost():
-    """A bucket that lost 0.1 s (one chain step at 0.9x) opens again after 2 s of plain decoding there at probe 0.05:
-    1.9 s leaves it closed, the step past 2 s opens it with its SD arms' windows emptied (tried afresh) and "off"'s
-    kept; a bucket that lost twice as much waits twice as long."""
+    """At probe 0.05 a closed bucket opens again once plain decoding there took 20x what SD lost: 0.1 s lost (one
+    chain step at 0.9x) -> 2 s (29 steps of 0.07 s; 28 leave it closed), 0.2 s -> 4 s (58 steps). Its SD arms'
+    windows are emptied (tried afresh), "off"'s kept. A bucket closed by a capture charge on a ledger just below zero
+    waits the floor, 16 plain steps, not one."""
     chain = Arm("chain2", "eagle_chain", 2, 1, 2)
-    for lost, wait in ((0.1, 2.0), (0.2, 4.0)):
+
+    def closed_by(tokens, charge=0.0):
         bandit = _one_bucket([OFF, chain], epsilon=0.0, min_samples=1, probe=0.05)
         bandit.update(1, OFF, 1.0, 1.0)
-        bandit.update(1, chain, 1.0 - lost, 1.0)
+        bandit.update(1, chain, tokens, 1.0)
+        if charge:
+            bandit.charge(1, charge)
         assert bandit.closed_buckets() == ["bs>=1"]
-        for _ in range(round(wait / 0.1) - 1):
-            bandit.update(1, OFF, 0.1, 0.1)
-        assert bandit.closed_buckets() == ["bs>=1"] and bandit.probes == 0, lost
-        bandit.update(1, OFF, 0.1, 0.1)
-        assert bandit.closed_buckets() == [] and bandit.probes == 1 and bandit.capturing(1), lost
-        assert bandit.untried == [["chain2"]] and len(bandit.steps[0]["off"]) == round(wait / 0.1) + 1
+        return bandit
+
+    for bandit, wait in ((closed_by(0.9), 29), (closed_by(0.8), 58), (closed_by(1.01, charge=0.011), 16)):
+        for _ in range(wait - 1):
+            bandit.update(1, OFF, 0.07, 0.07)
+        assert bandit.closed_buckets() == ["bs>=1"] and bandit.probes == 0, wait
+        bandit.update(1, OFF, 0.07, 0.07)
+        assert bandit.closed_buckets() == [] and bandit.probes == 1 and bandit.capturing(1), wait
+        assert bandit.untried == [["chain2"]] and len(bandit.steps[0]["off"]) == wait + 1
         assert bandit.select(1) is chain
 
 

@@ -392,31 +392,42 @@ def test_a_closed_bucket_keeps_no_hidden_states_and_a_new_drafter_resumes_the_ca
 
 
 def test_a_closed_bucket_asks_the_n_gram_drafter_about_each_plain_step(sharp_llama):
-    """Every plain step in a closed bucket asks the n-gram drafter for a row's next token and tells the bandit whether
-    the row drew it (StrategyBandit.shadow, which brings a probe nearer). One greedy request alone: the hits are those
-    of a fresh NgramDrafter replaying its tokens, from the first decoded token on (the prefill draws the first). The
-    output repeats itself, so some are hits. Control: open buckets ask nothing."""
+    """Every plain step in a closed bucket asks the n-gram drafter for one row's next token, rows in turn, and tells
+    the bandit whether that row drew it (StrategyBandit.shadow, which brings a probe nearer). Two greedy requests
+    (the batch shrinks from 2 to 1): each answer is what a fresh NgramDrafter replaying that row's tokens proposes at
+    that position, every decoded position of the longer row after the shorter one ends is asked, both rows are asked
+    while both run, and each hit is whether the row's next token is the guess. The outputs repeat themselves, so some
+    are hits. Control: open buckets ask nothing."""
     from tlt.speculative.ngram import NgramDrafter
     model, drafter_dir = sharp_llama
-    prompt = [3, 7, 1, 3, 7, 1, 3, 7]
-    params = tlt.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [[3, 7, 1, 3, 7, 1, 3, 7], [5, 2, 5, 2, 5, 2]]
+    params = [tlt.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 12)]
 
     def run(closed):
         llm = tlt.LLM(model, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=None))
-        bandit, got = llm.spec.bandit, []
-        bandit.closed, bandit.close = [closed] * len(bandit.closed), False  # as they are (no rule closes or probes)
-        bandit.shadow = lambda bs, hit: got.append(hit)
-        return llm.generate([prompt], params)[0].outputs[0].token_ids, got
+        spec, asked, hits = llm.spec, [], []
+        # closed by hand, and never probing (the rules that close and probe: tests/test_bandit.py)
+        spec.bandit.closed, spec.bandit.close = [closed] * len(spec.bandit.closed), False
+        propose = spec.ngram.propose
+        spec.ngram.propose = lambda seq_id, k=None: asked.append(
+            (list(spec.ngram.seqs[seq_id].tokens), propose(seq_id, k))) or asked[-1][1]
+        spec.bandit.shadow = lambda bs, hit: hits.append(hit)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], asked, hits
 
-    tokens, got = run(closed=True)
-    replay = NgramDrafter(max_n=SpecConfig().ngram_max_n, min_n=SpecConfig().ngram_min_n)
-    replay.register(0, 0, tuple(prompt), prompt)
-    hits = []
-    for t in tokens:
-        hits.append(replay.propose(0, 1) == [t])
-        replay.update(0, [t])
-    assert got == hits[1:] and any(got)
-    assert run(closed=False)[1] == []
+    outputs, asked, hits = run(closed=True)
+    assert len(asked) == len(hits) and any(hits) and not all(hits)
+    positions = {0: set(), 1: set()}
+    for (tokens, guess), hit in zip(asked, hits):
+        row = next(r for r, p in enumerate(prompts) if tokens[:len(p)] == p)
+        full = prompts[row] + outputs[row]
+        assert tokens == full[:len(tokens)]
+        replay = NgramDrafter(max_n=SpecConfig().ngram_max_n, min_n=SpecConfig().ngram_min_n)
+        replay.register(0, 0, tuple(prompts[row]), prompts[row])
+        replay.update(0, tokens[len(prompts[row]):])
+        assert guess == replay.propose(0, 1) and hit == (guess == full[len(tokens):len(tokens) + 1])
+        positions[row].add(len(tokens) - len(prompts[row]))
+    assert positions[0] >= set(range(12, 40)) and positions[1]  # alone, every step; beside the other, in turn
+    assert run(closed=False)[2] == []  # (its n-gram arms still ask the drafter for their drafts)
 
 
 def test_above_the_gate_the_capture_follows_whether_any_bucket_is_open(sharp_llama):

@@ -64,17 +64,18 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   again. Without closing, exploration and the rechecks of dominated arms cost a steady share of SD steps that
   lose, and the capture costs every step, in buckets where SD never pays.
 - A closed bucket also opens again by itself to probe (`probe`, 0.05): once plain decoding there has taken
-  1 / probe times the seconds SD lost before it closed, with its SD arms' windows emptied, so each is tried afresh.
-  Where SD never pays, the probes cost about `probe` of the bucket's time; where it starts to pay, SD gets its
-  chance without waiting for a drafter. What pays changes with the text, not only with the drafter: in a default
-  run the buckets closed in the short-tailed first steps, and later steps ended in rows looping to the length limit,
-  where n-gram drafts held 4-5 tokens a step (docs/design.md §6). A closed bucket reopened only for a new drafter,
-  and no round published one, so SD missed them.
+  1 / probe times the seconds SD lost there (its ledger, over the last `window` steps, when it closed), and at least
+  SHADOW (16) plain steps, with its SD arms' windows emptied, so each is tried afresh. Where SD never pays, the probes
+  cost about `probe` of the bucket's time; where it starts to pay, SD gets its chance without waiting for a drafter.
+  What pays changes with the text, not only with the drafter: in a default run three of the four buckets closed in
+  the short-tailed first steps, and later steps ended in rows looping to the length limit, where n-gram drafts held
+  about 4-4.6 tokens a step (docs/design.md §6). Without probing, a closed bucket reopens only for a new drafter.
 - The wait for a probe is shorter where the text repeats: at each plain step a closed bucket with an n-gram arm asks
-  the n-gram drafter for one row's next token (rows in turn; a dictionary lookup), and at a hit rate h over the last
-  16 asked the wait is max(1 - h, 1/4) of the above. A row looping at the length limit brings the probe within 16
-  steps; a false alarm costs at most 4 times `probe`. Not 1 - h ** d, as if a d-token draft's tokens held
-  independently: in a loop they hold together, and that wait missed the loops (docs/design.md §6).
+  the n-gram drafter for one row's next token (rows in turn; `NgramDrafter.propose` with k = 1, which may differ
+  from a longer draft's first token), and at a hit rate h over the last 16 asked the wait is max(1 - h, 1/4) of the
+  above: once the rows asked keep hitting, a quarter of it. A false alarm costs at most 4 times `probe`. Not
+  1 - h ** d, as if a d-token draft's tokens held independently: in a loop they hold together, and that wait missed
+  the loops (docs/design.md §6).
 """
 from __future__ import annotations
 
@@ -85,8 +86,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 METHODS = ("eagle_chain", "eagle_tree", "ngram", "off")
-SD_METHODS = METHODS[:-1]
-SHADOW = 16  # a closed bucket's shadow n-gram steps that set its hit rate
+SD_METHODS = tuple(m for m in METHODS if m != "off")
+SHADOW = 16  # a closed bucket's shadow n-gram steps that set its hit rate; no probe before that many plain steps
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,9 @@ class StrategyBandit:
         self.closed = [False for _ in self.arms]
         self.closed_gain = [1.0 for _ in self.arms]  # per bucket: accept-length growth published since it opened
         self.sd_since_open = [0 for _ in self.arms]    # SD steps recorded per bucket since it (re)opened
-        # per closed bucket: plain seconds decoded since it closed, and at how many it reopens to probe (`probe`)
+        # per closed bucket: plain steps and seconds decoded since it closed, and at how many seconds it reopens to
+        # probe (`probe`)
+        self.closed_steps = [0 for _ in self.arms]
         self.closed_plain_s = [0.0 for _ in self.arms]
         self.probe_after = [math.inf for _ in self.arms]
         self.probes = 0                                 # probes started, all buckets
@@ -304,8 +307,10 @@ class StrategyBandit:
                     or len(self.steps[b][arm.name]) <= self.reprice_every):  # a young window: each step counts
                 self._reprice(b)
             if self.closed[b]:
+                self.closed_steps[b] += 1
                 self.closed_plain_s[b] += float(seconds)
-                if self.closed_plain_s[b] >= self.probe_after[b] * max(1.0 - self.shadow_rate(b), 0.25):
+                if (self.closed_steps[b] >= SHADOW
+                        and self.closed_plain_s[b] >= self.probe_after[b] * max(1.0 - self.shadow_rate(b), 0.25)):
                     self.probes += 1
                     self._reopen(b, SD_METHODS, keep=0)
                     return
@@ -351,7 +356,6 @@ class StrategyBandit:
                              or (self.steps[b][a.name] and self.estimate(b, a.name) < self.far * off)
                              for a in self.arms[b] if a.method != "off") and self.ledger_seconds(b) < 0
         if self.closed[b]:  # it probes again once plain decoding there took 1 / probe times what SD lost
-            self.closed_plain_s[b] = 0.0
             self.probe_after[b] = -self.ledger_seconds(b) / self.probe if self.probe else math.inf
 
     def shadowing(self, batch_size: int) -> bool:
@@ -400,7 +404,7 @@ class StrategyBandit:
         last `keep` steps."""
         self.since_forget[b] = 0
         self.closed[b], self.closed_gain[b] = False, 1.0  # the new drafter gets its chance; the ledger restarts
-        self.closed_plain_s[b], self.probe_after[b] = 0.0, math.inf
+        self.closed_steps[b], self.closed_plain_s[b], self.probe_after[b] = 0, 0.0, math.inf
         self.shadow_hits[b].clear()
         self.sd_since_open[b] = 0
         self.ledger[b].keep_last(0, self._prices[b])
