@@ -63,10 +63,10 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   at bs 2-16, so a 10% better drafter cannot pay there, and reopening cost the next rollout its exploration
   again. Without closing, exploration and the rechecks of dominated arms cost a steady share of SD steps that
   lose, and the capture costs every step, in buckets where SD never pays.
-- A closed bucket also opens again by itself to probe (`probe`, 0.05): once plain decoding there has taken
+- A closed bucket also opens again by itself to probe (`probe`, 0.02): once plain decoding there has taken
   1 / probe times the seconds SD lost there (its ledger, over the last `window` steps, when it closed), and at least
   SHADOW (16) plain steps, with its SD arms' windows emptied, so each is tried afresh. Where SD never pays, the probes
-  cost about `probe` of the bucket's time; where it starts to pay, SD gets its chance without waiting for a drafter.
+  cost about `probe` of the bucket's time (at 0.05, `tlt bench spec` lost 2-6% at bs 2-32 on a 2-core CPU); where it starts to pay, SD gets its chance without waiting for a drafter.
   What pays changes with the text, not only with the drafter: in a default run three of the four buckets closed in
   the short-tailed first steps, and later steps ended in rows looping to the length limit, where n-gram drafts held
   about 4-4.6 tokens a step (docs/design.md §6). Without probing, a closed bucket reopens only for a new drafter.
@@ -206,7 +206,7 @@ class StrategyBandit:
     def __init__(self, bucket_bounds: Sequence[float] | None = None, arms: Sequence[Sequence[Arm]] | None = None,
                  epsilon: float = 0.1, window: int = 300, seed: int = 0, min_gain: float = 0.03,
                  margin: float = 0.15, min_samples: int = 5, recheck: float = 0.1, far: float = 0.5,
-                 close: bool = True, reprice_every: int = 16, probe: float = 0.05):
+                 close: bool = True, reprice_every: int = 16, probe: float = 0.02):
         if bucket_bounds is None and arms is None:
             bucket_bounds, arms = default_arm_table("cpu")
         if bucket_bounds is None or arms is None or len(bucket_bounds) != len(arms):
