@@ -66,7 +66,8 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
 - A closed bucket also opens again by itself to probe (`probe`, 0.02): once plain decoding there has taken
   1 / probe times the seconds SD lost there (its ledger, over the last `window` steps, when it closed), and at least
   SHADOW (16) plain steps, with its SD arms' windows emptied, so each is tried afresh. Where SD never pays, the probes
-  cost about `probe` of the bucket's time (at 0.05, `tlt bench spec` lost 2-6% at bs 2-32 on a 2-core CPU); where it starts to pay, SD gets its chance without waiting for a drafter.
+  cost about `probe` of the bucket's time (at 0.05, `tlt bench spec` lost 2-6% at bs 1-32 on a 2-core CPU); where it
+  starts to pay, SD gets its chance without waiting for a drafter.
   What pays changes with the text, not only with the drafter: in a default run three of the four buckets closed in
   the short-tailed first steps, and later steps ended in rows looping to the length limit, where n-gram drafts held
   about 4-4.6 tokens a step (docs/design.md §6). Without probing, a closed bucket reopens only for a new drafter.
