@@ -252,6 +252,7 @@ class StrategyBandit:
         # per closed bucket with an n-gram arm: whether the n-gram drafter would have proposed the token a row drew,
         # at its last SHADOW plain steps (one row a step; `shadow`), which shortens the wait for a probe
         self.shadow_hits = [deque(maxlen=SHADOW) for _ in self.arms]
+        self._has_ngram = [any(a.method == "ngram" for a in bucket) for bucket in self.arms]
 
     def bucket(self, batch_size: int) -> int:
         return next(i for i, hi in enumerate(self.bounds) if batch_size <= hi)
@@ -363,7 +364,7 @@ class StrategyBandit:
         """Whether a plain step at this batch size should ask the n-gram drafter for a row's next token (`shadow`):
         its bucket is closed, probes, and has an n-gram arm."""
         b = self.bucket(batch_size)
-        return self.closed[b] and self.probe > 0 and any(a.method == "ngram" for a in self.arms[b])
+        return self.closed[b] and self.probe > 0 and self._has_ngram[b]
 
     def shadow(self, batch_size: int, hit: bool) -> None:
         """Record whether the n-gram drafter, asked before a plain step in a closed bucket, proposed the token a row

@@ -87,7 +87,8 @@ class SpecDecoder:
                    "accept_by_bucket": defaultdict(lambda: [0, 0]), "accept_by_pos": defaultdict(lambda: [0, 0]),
                    "arm_counts": defaultdict(int), "draft_time_s": 0.0, "verify_time_s": 0.0,
                    "catchup_time_s": 0.0, "hist_time_s": 0.0, "sd_step_time_s": 0.0, "plain_equiv_s": 0.0,
-                   "bulk_time_s": 0.0, "tail_time_s": 0.0, "probes": 0}
+                   "bulk_time_s": 0.0, "tail_time_s": 0.0}
+        self._probes_at_reset = self.bandit.probes
         self._gate_on = False
 
     def stats(self) -> dict:
@@ -112,7 +113,8 @@ class SpecDecoder:
             # buckets where SD did not pay: plain decoding without exploration or capture until a probe or a new
             # drafter
             "spec_closed_buckets": len(self.bandit.closed_buckets()),
-            "spec_probes": s["probes"],  # closed buckets opened again to probe (probe_closed)
+            # closed buckets opened again to probe (probe_closed) since the stats were reset
+            "spec_probes": self.bandit.probes - self._probes_at_reset,
         }
 
     def record_decode_time(self, seconds: float) -> None:
@@ -249,9 +251,7 @@ class SpecDecoder:
             if arm.method != "off" and (plain := self.bandit.plain_seconds(len(seqs), emitted, critical)) is not None:
                 self.st["sd_step_time_s"] += seconds
                 self.st["plain_equiv_s"] += plain
-            probes = self.bandit.probes
             self.bandit.update(len(seqs), arm, emitted, seconds, critical)
-            self.st["probes"] += self.bandit.probes - probes
         return done
 
     def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str) -> tuple[list[Sequence], int]:
