@@ -19,6 +19,9 @@ def test_untried_arms_first_then_best():
         picked.append(arm.name)
         bandit.update(1, arm, float(i), 1.0)
     assert picked == [a.name for a in arms]          # every arm once, in table order
+    # then "off" once more: an SD arm wins against a plain step's price, which rests on two "off" steps at a batch size
+    assert bandit.select(1).name == "off"
+    bandit.update(1, arms[0], 1.0, 1.0)
     assert bandit.select(1).name == arms[-1].name     # then the best throughput
 
 
@@ -138,7 +141,7 @@ def test_far_behind_arms_are_skipped_after_one_step():
 def test_forget_retries_drafter_arms_first_and_keeps_the_rest():
     """forget(keep=0): the drafter arms' rewards are wiped and they are tried again first; other arms keep theirs."""
     ngram = Arm("ngram4", "ngram", 4, 1, 4)
-    bandit = _one_bucket([OFF, ngram, CHAIN], epsilon=0.0)
+    bandit = _one_bucket([OFF, ngram, CHAIN], epsilon=0.0, refresh=0)
     for arm, tokens in ((OFF, 1.0), (ngram, 2.0), (CHAIN, 0.5)):
         assert bandit.select(1) is arm
         bandit.update(1, arm, tokens, 1.0)
@@ -156,7 +159,7 @@ def test_forget_keeps_a_short_prior_that_new_steps_outweigh():
     the old window of 300 would have held the old estimate. Control: without forget, the same new steps barely
     move it."""
     def run(do_forget):
-        bandit = _one_bucket([OFF, CHAIN], epsilon=0.0, min_samples=5, close=False)
+        bandit = _one_bucket([OFF, CHAIN], epsilon=0.0, min_samples=5, close=False, refresh=0)
         for arm in (OFF, CHAIN):
             assert bandit.select(1) is arm
             bandit.update(1, arm, 1.0, 1.0)
@@ -241,10 +244,10 @@ def test_arms_compared_at_their_own_batch_size():
 
 def test_sd_steps_are_priced_at_the_current_plain_step_time():
     """At bs 2 a plain step took 14 ms while the process warmed up, then 11 ms. A chain's steps (1.575 tokens a row in
-    20.5 ms: 0.88x of an 11 ms plain step) recorded in between looked 1.08x against the first "off" steps and were
-    chosen. The later "off" steps alone reprice them: the chain falls below "off", the ledger of its steps turns
-    negative and the bucket closes. Priced when recorded (the control: the chain's estimate would not move with
-    "off" steps), it kept its 1.08x for its whole window."""
+    20.5 ms: 0.77x of an 11 ms plain step) recorded in between looked 1.08x against the first "off" steps and were
+    chosen. The later "off" steps alone reprice them (at the lower median of the last 8 "off" steps at bs 2): the
+    chain falls below "off", the ledger of its steps turns negative and the bucket closes. Priced when recorded (the
+    control: the chain's estimate would not move with "off" steps), it kept its 1.08x for its whole window."""
     chain = Arm("chain2", "eagle_chain", 2, 1, 2)
     bandit = _one_bucket([OFF, chain], epsilon=0.0, min_samples=5, reprice_every=1)
     for _ in range(3):
@@ -256,10 +259,10 @@ def test_sd_steps_are_priced_at_the_current_plain_step_time():
     assert bandit.ledger_seconds(0) > 0 and not bandit.closed_buckets()
     for _ in range(20):
         bandit.update(2, OFF, 2, 0.011)
-    t_off = (3 * 0.014 + 20 * 0.011) / 23
+    t_off = 0.011
     after = bandit.estimate(0, "chain2")
     assert after == pytest.approx(1.575 * t_off / 0.0205) and after < 0.9  # control: before > 1.03
-    assert bandit.estimate(0, "off") == pytest.approx(1.0) and bandit.best(2) is OFF
+    assert bandit.estimate(0, "off") == 1.0 and bandit.best(2) is OFF
     assert bandit.ledger_seconds(0) == pytest.approx(50 * (1.575 * t_off - 0.0205)) and 1.575 * t_off < 0.0205
     assert bandit.closed_buckets() == ["bs>=1"]
     # by default the prices are read again at each of the first 16 "off" steps, then every 16th, not at every one:
@@ -271,21 +274,22 @@ def test_sd_steps_are_priced_at_the_current_plain_step_time():
         default.update(2, chain, 3.15, 0.0205)
     for _ in range(13):
         default.update(2, OFF, 2, 0.011)
-    priced_at_16 = 1.575 * (3 * 0.014 + 13 * 0.011) / 16 / 0.0205
+    priced_at_16 = 1.575 * 0.011 / 0.0205
     assert default.estimate(0, "chain2") == pytest.approx(priced_at_16)  # the 16th "off" step repriced
     for _ in range(15):
         default.update(2, OFF, 2, 0.009)
     assert default.estimate(0, "chain2") == pytest.approx(priced_at_16)  # 15 "off" steps since: not yet
     default.update(2, OFF, 2, 0.009)
-    assert default.estimate(0, "chain2") == pytest.approx(1.575 * (3 * 0.014 + 13 * 0.011 + 16 * 0.009) / 32 / 0.0205)
+    assert default.estimate(0, "chain2") == pytest.approx(1.575 * 0.009 / 0.0205)
 
 
-def test_a_bucket_with_few_off_steps_is_priced_at_all_of_them():
+def test_a_bucket_with_few_off_steps_is_repriced_at_each_of_them():
     """Where SD pays, a bucket sees "off" only when the bandit explores. In a default-task run the bs-1 bucket ran its
     first "off" step cold (12.9 ms) and 8 more over 12 rollouts at ~10 ms; repriced only at the first and every 16th,
     its price stayed at 12.9 ms and each n-gram step there was valued 30% too high (the ledger's savings with it).
-    Each of the first 16 "off" steps reprices, so the price is the mean of all of them. Control: the first step's
-    price, which the old rule kept, is far from it."""
+    Each of the first 16 "off" steps reprices, and the price is the lower median of the last 8 at the batch size, so
+    the cold step is outvoted by the second. Control: the first step's price, which the old rule kept, is far from
+    it."""
     ngram = Arm("ngram6", "ngram", 6, 1, 6)
     bandit = _one_bucket([OFF, ngram], epsilon=0.0)
     bandit.update(1, OFF, 1, 0.0129)
@@ -293,20 +297,81 @@ def test_a_bucket_with_few_off_steps_is_priced_at_all_of_them():
         for _ in range(30):
             bandit.update(1, ngram, 2.1, 0.018, critical=2.1)
         bandit.update(1, OFF, 1, 0.0099, critical=1)
-        mean = (0.0129 + k * 0.0099) / (k + 1)  # every "off" step so far, at each of them
-        assert bandit.plain_seconds(1, 1.0, critical=1.0) == pytest.approx(mean)
-        assert bandit.estimate(0, "ngram6") == pytest.approx(2.1 * mean / 0.018)
-    t_off = (0.0129 + 8 * 0.0099) / 9
+        assert bandit.plain_seconds(1, 1.0, critical=1.0) == pytest.approx(0.0099)  # repriced at each of them
+        assert bandit.estimate(0, "ngram6") == pytest.approx(2.1 * 0.0099 / 0.018)
+    t_off = 0.0099
     assert bandit.plain_seconds(1, 1.0, critical=1.0) == pytest.approx(t_off)
     assert abs(t_off - 0.0129) / t_off > 0.2  # control: the first step's price
     assert bandit.estimate(0, "ngram6") == pytest.approx(2.1 * t_off / 0.018)
     assert bandit.ledger_seconds(0) == pytest.approx(240 * (2.1 * t_off - 0.018))  # all in its window
 
 
+def test_a_cold_plain_step_does_not_price_sd_for_the_run():
+    """In a default run the first plain step at bs 22 took 3.1 s (the process starting beside another), the next ones
+    about 60 ms. Every SD step at bs 21-32 was then valued at 3.1 s a critical token: the n-gram arm (1.3 tokens a row
+    in 100 ms, 0.78x of plain decoding) looked 40x faster, ran on every step and the ledger claimed more seconds saved
+    than the rollouts took. Before an SD arm is chosen greedily, "off" runs until its window holds two steps at that
+    batch size, whose lower median is the price: the cold step is outvoted, the arm falls below "off" and the bucket
+    closes. Control: refresh=0 (no such "off" step) keeps the cold price, and the n-gram arm runs on."""
+    ngram = Arm("ngram2", "ngram", 2, 1, 2)
+
+    def run(refresh):
+        bandit = _one_bucket([OFF, ngram], epsilon=0.0, min_samples=1, refresh=refresh, probe=0.0)
+        chosen = []
+        for i in range(60):
+            arm = bandit.select(22)
+            chosen.append(arm.name)
+            cold = i == 0
+            bandit.update(22, arm, 22 if arm is OFF else 28.6, 3.1 if cold else (0.06 if arm is OFF else 0.1))
+        return bandit, chosen
+
+    bandit, chosen = run(32)
+    assert chosen[:3] == ["off", "ngram2", "off"]  # untried first, then a second "off" step before the greedy choice
+    assert bandit.plain_seconds(22, 22) == pytest.approx(0.06)
+    assert bandit.estimate(0, "ngram2") == pytest.approx(1.3 * 0.06 / 0.1)
+    assert bandit.closed_buckets() == ["bs>=1"] and chosen.count("ngram2") == 1
+    assert bandit.ledger_seconds(0) == pytest.approx(1.3 * 0.06 - 0.1)
+    bandit, chosen = run(0)  # control
+    assert bandit.plain_seconds(22, 22) == pytest.approx(3.1) and chosen.count("ngram2") == 59
+    assert bandit.estimate(0, "ngram2") > 30 and bandit.ledger_seconds(0) > 200
+
+
+def test_off_runs_every_refresh_choices_where_sd_pays_so_its_price_stays_current():
+    """Where SD pays, "off" runs only when chosen to explore, which decays: its first steps at bs 2 ran at 20 ms (a
+    contended start), later plain steps take 10 ms. An n-gram arm at 1.2 tokens a row in 10 ms is chosen throughout;
+    "off" runs once every `refresh` (32) choices of the bucket, and the price follows within two of those: the
+    estimate and the ledger show 1.2x, not 2.4x. Control: refresh=0 keeps the 20 ms price for the whole run."""
+    ngram = Arm("ngram2", "ngram", 2, 1, 2)
+
+    def run(refresh):
+        bandit = _one_bucket([OFF, ngram], epsilon=0.0, refresh=refresh)
+        chosen, cold = [], 2
+        for _ in range(200):
+            arm = bandit.select(2)
+            chosen.append(arm.name)
+            if arm is OFF:
+                bandit.update(2, OFF, 2, 0.020 if cold else 0.010)
+                cold -= cold > 0
+            else:
+                bandit.update(2, arm, 2.4, 0.010)
+        return bandit, chosen
+
+    bandit, chosen = run(32)
+    # untried, then a second step at bs 2, then after every 32 choices without it
+    assert [i for i, name in enumerate(chosen) if name == "off"] == [0, 2, 35, 68, 101, 134, 167]
+    assert bandit.plain_seconds(2, 2) == pytest.approx(0.010)
+    assert bandit.estimate(0, "ngram2") == pytest.approx(1.2) and bandit.best(2) is ngram
+    sd_steps = chosen[-300:].count("ngram2")
+    assert bandit.ledger_seconds(0) == pytest.approx(sd_steps * (0.012 - 0.010))
+    bandit, chosen = run(0)  # control
+    assert chosen.count("off") == 1 and bandit.plain_seconds(2, 2) == pytest.approx(0.020)
+    assert bandit.estimate(0, "ngram2") == pytest.approx(2.4)
+
+
 def test_a_young_bs1_reprice_carries_the_fixed_part_into_every_bucket():
     """The fixed part of a plain step, min(t_off(1), t_off(bs)), prices the critical row's tokens in every bucket, so
     each of the bs-1 bucket's first "off" steps reprices them all: after a cold 12.9 ms step and a 9.9 ms one, a bs-3
-    chain step giving the critical row 2 tokens and the others 2.5 is priced with a fixed part of 11.4 ms. Control:
+    chain step giving the critical row 2 tokens and the others 2.5 is priced with a fixed part of 9.9 ms. Control:
     priced at the first bs-1 step alone, the fixed part would be min(12.9, 12) = 12 ms and the others' tokens worth
     nothing."""
     chain = Arm("chain2", "eagle_chain", 2, 1, 2)
@@ -316,21 +381,22 @@ def test_a_young_bs1_reprice_carries_the_fixed_part_into_every_bucket():
     bandit.update(1, OFF, 1, 0.0129, critical=1)
     assert bandit.plain_seconds(3, 4.5, critical=2.0) == pytest.approx(2 * 0.012)  # fixed 12 ms, per row 0
     bandit.update(1, OFF, 1, 0.0099, critical=1)
-    fixed = (0.0129 + 0.0099) / 2
+    fixed = 0.0099  # the lower median of the two
     assert bandit.plain_seconds(3, 4.5, critical=2.0) == pytest.approx(2 * fixed + 2.5 * (0.012 - fixed) / 2)
 
 
-def test_off_is_one_at_every_mix_of_batch_sizes():
-    """"off" prices its own steps at its own per-batch-size row-token times: exactly 1.0 whatever batch sizes it ran
-    at and however they differ; an SD arm at a batch size "off" never ran is priced at the nearest one."""
+def test_each_batch_size_has_its_own_price_and_off_is_one():
+    """A plain step's price is per batch size (the lower median of "off"'s last steps there); an SD arm at a batch
+    size "off" never ran is priced at the nearest one. "off" itself is 1.0, the reference, however its steps spread:
+    its slow steps (a cold or contended one) do not make an SD arm look faster."""
     chain = Arm("chain2", "eagle_chain", 2, 1, 2)
     bandit = StrategyBandit([4, math.inf], [[OFF, chain], [OFF]], epsilon=0.0, reprice_every=1)
-    for bs, s in ((2, 0.010), (3, 0.012), (2, 0.011), (4, 0.020)):
-        bandit.update(bs, OFF, bs, s)
-    assert bandit.estimate(0, "off") == pytest.approx(1.0)
+    for bs, s in ((2, 0.010), (3, 0.012), (4, 0.020), (2, 0.011), (3, 0.300)):
+        bandit.update(bs, OFF, bs, s)  # bs 2 at 10 ms (the lower median of 10 and 11), bs 3 at 12 ms
+    assert bandit.estimate(0, "off") == 1.0
     bandit.update(3, chain, 6, 0.024)  # 2 tokens a row in 24 ms at bs 3, where a plain step takes 12 ms
-    bandit.update(1, chain, 1, 0.0105)  # bs 1 never ran "off": priced at bs 2's 10.5 ms (the nearest)
-    assert bandit.estimate(0, "chain2") == pytest.approx((2 * 0.012 + 1 * 0.0105) / (0.024 + 0.0105))
+    bandit.update(1, chain, 1, 0.0105)  # bs 1 never ran "off": priced at bs 2's 10 ms (the nearest)
+    assert bandit.estimate(0, "chain2") == pytest.approx((2 * 0.012 + 1 * 0.010) / (0.024 + 0.0105))
 
 
 def test_with_no_request_waiting_a_step_is_worth_what_it_gives_the_critical_row():
@@ -386,9 +452,8 @@ def test_the_fixed_part_is_read_at_bs_1_only_and_follows_it():
     split.update(2, OFF, 2, 0.012, 1)
     split.update(2, chain, 3, 0.020, 1)  # critical row 1 token, the other 2
     assert split.estimate(1, "chain2") == pytest.approx((0.010 + 2 * 0.002) / 0.020)
-    for _ in range(3):
-        split.update(1, OFF, 1, 0.004)  # bs 1 now 5.5 ms on average: fixed 5.5 ms, per row 6.5 ms
-    assert split.estimate(1, "chain2") == pytest.approx((0.0055 + 2 * 0.0065) / 0.020)
+    split.update(1, OFF, 1, 0.004)  # bs 1 now at 4 ms, the lower median of 10 and 4: fixed 4 ms, per row 8 ms
+    assert split.estimate(1, "chain2") == pytest.approx((0.004 + 2 * 0.008) / 0.020)
     with pytest.raises(ValueError, match="one \"off\" arm"):
         StrategyBandit([math.inf], [[OFF, Arm("plain", "off"), chain]])
 

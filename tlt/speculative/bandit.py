@@ -10,22 +10,31 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   deep tree's spike) and the rare long accepts, so it ranks arms by their typical step rather than by the tokens
   per second they actually deliver; the ratio of sums is what a rollout's wall time depends on.
 - Throughput is measured against plain decoding at the step's own batch size: a step at batch size bs that emits
-  `tokens` in `seconds` counts tokens / bs * t_off(bs) "plain seconds", t_off(bs) being the "off" arm's mean step time
-  at that batch size over its window (at the nearest batch size it ran in the bucket otherwise). An arm's estimate
-  sum(plain seconds) / sum(seconds) over its window is a speedup over plain decoding ("off" is about 1.0: a plain step
-  emits one token a row, priced at "off"'s recent mean). Raw tokens/s would compare arms measured at different batch
+  `tokens` in `seconds` counts tokens / bs * t_off(bs) "plain seconds", t_off(bs) being the lower median of the "off"
+  arm's last PRICE_STEPS (8) steps at that batch size in its window (at the nearest batch size it ran in the bucket
+  otherwise). An arm's estimate sum(plain seconds) / sum(seconds) over its window is a speedup over plain decoding;
+  "off"'s is its steps' plain seconds over their price, 1.0 (a plain step emits one token a row). Raw tokens/s would
+  compare arms measured at different batch
   sizes of one bucket: at bs 2-4 a decode step costs about the same at either end, so whichever arm happened to run at
   bs 4 looked twice as fast as one that ran at bs 2.
 - Every arm is priced at the same, recent plain step time: a bucket's windows are priced again at "off"'s current step
   times at each of its first `reprice_every` (16) "off" steps and every 16th after (every bucket's, for an "off" step
   at bs 1, the fixed part below), not frozen at the time known when each step was recorded. Each of the first 16
   counts because a bucket where SD pays sees few "off" steps: priced at its first alone, a cold first step set the
-  price for a whole run (docs/design.md §6). The price is the window's mean, so a cold first step still weighs 1/n of
-  it. Frozen, an SD step kept the t_off of its moment for its whole window: at bs 2 on a 2-core CPU the
+  price for a whole run (docs/design.md §6). Frozen, an SD step kept the t_off of its moment for its whole window: at
+  bs 2 on a 2-core CPU the
   first plain steps of a process ran 13-16 ms and the later ones 10-11 ms, so a chain at 0.87x of plain decoding was
   recorded at 1.01x against "off"'s 0.94x and held 65% of the steps for hundreds of steps. Repricing at every "off"
   step instead cost O(batch sizes in the window) a step: about 250 us a step at bs 21-200 with the GPU table, against
   30 us now.
+- The price must not rest on one step, nor on old ones. A mean let one cold step set it: in a default run the first
+  plain step at bs 22 took 3.1 s (the next ones 30-60 ms), the n-gram arm at bs 21-32 then looked 40x faster, ran on
+  every step there, "off" never ran there again, and the ledger claimed more seconds saved than the rollouts took
+  (docs/design.md §6). So the price is a lower median; an SD arm is chosen greedily only where "off"'s window holds
+  two steps at that batch size ("off" runs instead until it does); and "off" runs at least once every `refresh` (32)
+  choices of an open bucket. Where SD pays x times plain decoding those steps cost (1 - 1/x) / refresh of the
+  bucket's time. "off" is 1.0 by its own price, so its slow steps do not make an SD arm look faster than it is; an SD
+  arm's slow steps still count against it (the safe side).
 - Where no request waits for a slot, the batch can only shrink, and its rollout ends when the row with the most tokens
   left to its limit does (the critical row). Then a step's tokens are worth what they save of that: a plain step's
   cost t_off(bs) splits into a fixed part, min(t_off(1), t_off(bs)) (the weights read once a step), and (bs - 1) equal
@@ -89,6 +98,7 @@ from typing import Sequence
 METHODS = ("eagle_chain", "eagle_tree", "ngram", "off")
 SD_METHODS = tuple(m for m in METHODS if m != "off")
 SHADOW = 16  # a closed bucket's shadow n-gram steps that set its hit rate; no probe before that many plain steps
+PRICE_STEPS = 8  # the "off" steps at a batch size whose lower median prices a plain step there
 
 
 @dataclass(frozen=True)
@@ -207,7 +217,7 @@ class StrategyBandit:
     def __init__(self, bucket_bounds: Sequence[float] | None = None, arms: Sequence[Sequence[Arm]] | None = None,
                  epsilon: float = 0.1, window: int = 300, seed: int = 0, min_gain: float = 0.03,
                  margin: float = 0.15, min_samples: int = 5, recheck: float = 0.1, far: float = 0.5,
-                 close: bool = True, reprice_every: int = 16, probe: float = 0.02):
+                 close: bool = True, reprice_every: int = 16, probe: float = 0.02, refresh: int = 32):
         if bucket_bounds is None and arms is None:
             bucket_bounds, arms = default_arm_table("cpu")
         if bucket_bounds is None or arms is None or len(bucket_bounds) != len(arms):
@@ -224,6 +234,9 @@ class StrategyBandit:
         self.epsilon, self.window = epsilon, window
         self.min_gain, self.margin, self.min_samples, self.recheck = min_gain, margin, min_samples, recheck
         self.far, self.close, self.reprice_every, self.probe = far, close, reprice_every, probe
+        if refresh < 0:
+            raise ValueError(f"refresh must be >= 0 (0: never), got {refresh}")
+        self.refresh = refresh
         if not 0 <= probe <= 0.5:
             raise ValueError(f"probe must be in [0, 0.5], got {probe}")
         self.rng = random.Random(seed)
@@ -234,9 +247,11 @@ class StrategyBandit:
         # steps since, and the price function its windows are summed with
         self._costs: list[dict[int, tuple[float, float, float]]] = [{} for _ in self.arms]
         self._off_since_reprice = [0 for _ in self.arms]
+        self._off_prices: list[float | None] = [None for _ in self.arms]  # per bucket: _off_price_sum, cached
         self._prices = [self._price_in(b) for b in range(len(self.arms))]
         self.counts = [Counter() for _ in self.arms]   # choices per bucket and arm
         self.since_forget = [0 for _ in self.arms]     # choices per bucket since the last forget (decays epsilon)
+        self.since_off = [0 for _ in self.arms]        # choices per bucket since "off" was chosen there (refresh)
         # per bucket, the ledger of the last `window` steps: the tokens and seconds of its SD steps ("off" steps
         # add none) plus the seconds charged for keeping hidden states; see ledger_seconds
         self.ledger = [_Window(window) for _ in self.arms]
@@ -271,9 +286,23 @@ class StrategyBandit:
             arm = self.rng.choice(arms if self.rng.random() < self.recheck else live)
         else:
             arm = self._best(b)
+            if arm is not self.off[b] and self._price_stale(b, batch_size):
+                arm = self.off[b]  # SD chosen for its speed against a plain step's price: keep that price current
+        self.since_off[b] = 0 if arm is self.off[b] else self.since_off[b] + 1
         self.counts[b][arm.name] += 1
         self.since_forget[b] += 1
         return arm
+
+    def _price_stale(self, b: int, batch_size: int) -> bool:
+        """Whether "off" should run instead of the SD arm that is the greedy choice, so that the price it won on stays
+        current: the bucket has chosen "off" none of the last `refresh` times, or its window holds fewer than two
+        "off" steps at this batch size (one cold step would otherwise set the price there)."""
+        off = self.off[b]
+        if off is None or not self.refresh or not self.steps[b][off.name]:
+            return False  # no "off", no refresh, or still untried (tried first anyway)
+        sums = self.steps[b][off.name].by_key
+        at_bs = sum(sums[k][0] for k in ((batch_size, False), (batch_size, True)) if k in sums)
+        return self.since_off[b] >= self.refresh or at_bs < 2
 
     @property
     def untried(self) -> list[list[str]]:
@@ -305,6 +334,7 @@ class StrategyBandit:
         else:
             self.ledger[b].add(key, 0.0, 0.0, 0.0, price)
             self._off_since_reprice[b] += 1
+            self._off_prices[b] = None
             if (self._off_since_reprice[b] >= self.reprice_every
                     or len(self.steps[b][arm.name]) <= self.reprice_every):  # a young window: each step counts
                 self._reprice(b)
@@ -341,6 +371,7 @@ class StrategyBandit:
         for c in (range(len(self.arms)) if b == self.bucket(1) else [b]):
             self._costs[c] = {}
             self._off_since_reprice[c] = 0
+            self._off_prices[c] = None
             for window in (*self.steps[c].values(), self.ledger[c]):
                 window.reprice(self._prices[c])
 
@@ -467,24 +498,44 @@ class StrategyBandit:
         return table[batch_size]
 
     def _plain_step_s(self, batch_size: int, exact: bool = False) -> float | None:
-        """Mean "off" step time at this batch size in its bucket's window, else (unless exact) at the nearest batch
-        size there; None without one."""
+        """A plain step's time at this batch size: the lower median of the last PRICE_STEPS "off" steps at it in its
+        bucket's window, else (unless exact) at the nearest batch size there; None without one. Not the mean: one
+        cold or contended step (a process's first, another process starting) can take 100 times a plain step, and
+        where SD is chosen "off" runs seldom, so a mean kept it in the price for the whole window."""
         b = self.bucket(batch_size)
         off = self.off[b]
-        sums = self.steps[b][off.name].by_key if off is not None else {}
+        window = self.steps[b][off.name] if off is not None else None
+        sums = window.by_key if window is not None else {}
         if (batch_size, False) not in sums and (batch_size, True) not in sums:  # not at this batch size
             if exact or not sums:
                 return None
             batch_size = min((bs for bs, _ in sums), key=lambda k: (abs(k - batch_size), k))
-        steps = [sums[k] for k in ((batch_size, False), (batch_size, True)) if k in sums]
-        return sum(s[3] for s in steps) / sum(s[0] for s in steps)
+        recent = []
+        for key, _, _, seconds in reversed(window.entries):
+            if key[0] == batch_size:
+                recent.append(seconds)
+                if len(recent) == PRICE_STEPS:
+                    break
+        return sorted(recent)[(len(recent) - 1) // 2]
 
     def estimate(self, b: int, name: str) -> float:
         """Speed of the arm over its window relative to plain decoding at the same batch sizes: plain decoding's
         seconds for the tokens it emitted (at the bucket's current prices) / its seconds (see the module doc); -inf
         before its first step."""
         steps = self.steps[b][name]
-        return steps.plain / max(steps.seconds, 1e-9) if steps else -math.inf
+        if not steps:
+            return -math.inf
+        if self.off[b] is not None and name == self.off[b].name:  # its steps' price over their price: its tokens a
+            return steps.plain / max(self._off_price_sum(b), 1e-9)  # row a step, 1.0; its slow steps not held against it
+        return steps.plain / max(steps.seconds, 1e-9)
+
+    def _off_price_sum(self, b: int) -> float:
+        """The price of "off"'s steps in bucket b's window, each at its batch size's plain step price (cached until
+        they or the prices change)."""
+        if self._off_prices[b] is None:
+            by_key = self.steps[b][self.off[b].name].by_key
+            self._off_prices[b] = sum(n * self._plain_costs(b, bs)[0] for (bs, _), (n, *_) in by_key.items())
+        return self._off_prices[b]
 
     def _best(self, b: int) -> Arm:
         arms = self.arms[b]
