@@ -62,7 +62,9 @@ def test_default_tables_have_off_and_fastrl_budgets():
     for device in ("cpu", "gpu"):
         bounds, arms = default_arm_table(device)
         assert bounds[-1] == math.inf and len(arms) == len(bounds)
-        assert all(any(a.method == "off" for a in bucket) and len(bucket) >= 3 for bucket in arms)
+        assert all(any(a.method == "off" for a in bucket) for bucket in arms)
+        # SD arms in every bucket, but on a CPU none at bs >= 21 (they took 1.5-4.3x the plain steps they replaced)
+        assert [len(bucket) >= 3 for bucket in arms] == ([True] * 4 if device == "gpu" else [True] * 3 + [False])
     _, gpu = default_arm_table("gpu")
     assert [max(a.num_draft_tokens for a in bucket if a.method == "eagle_tree") for bucket in gpu] == [48, 32, 16, 8]
     with pytest.raises(ValueError):
@@ -304,6 +306,22 @@ def test_a_bucket_with_few_off_steps_is_repriced_at_each_of_them():
     assert abs(t_off - 0.0129) / t_off > 0.2  # control: the first step's price
     assert bandit.estimate(0, "ngram6") == pytest.approx(2.1 * t_off / 0.018)
     assert bandit.ledger_seconds(0) == pytest.approx(240 * (2.1 * t_off - 0.018))  # all in its window
+
+
+def test_a_bucket_without_sd_arms_keeps_states_while_a_bucket_with_them_is_open():
+    """The CPU table has no SD arm at bs >= 21. Its steps keep hidden states while a smaller bucket may draft (an
+    EAGLE draft's catch-up reads the states of positions decoded at bs >= 21) and stop once every bucket with SD
+    arms has closed. Control: a bucket with SD arms keeps them by its own state."""
+    bandit = StrategyBandit(*default_arm_table("cpu"), epsilon=0.0, min_samples=1, probe=0.0)
+    assert bandit.arms[3] == [OFF] and bandit.capturing(30) and bandit.any_open()
+    for bs in (1, 3, 10):
+        b = bandit.bucket(bs)
+        bandit.update(bs, OFF, bs, 0.010)
+        for arm in bandit.arms[b][1:]:
+            bandit.update(bs, arm, bs, 0.020)  # every SD arm at half plain decoding's speed: the bucket closes
+        assert bandit.closed[b] and not bandit.capturing(bs)
+        assert bandit.capturing(30) == (bs != 10)  # control: open while a bucket with SD arms is
+    assert bandit.select(30) == OFF and not bandit.any_open() and not bandit.closed[3]
 
 
 def test_a_cold_plain_step_does_not_price_sd_for_the_run():

@@ -437,9 +437,9 @@ def test_above_the_gate_the_capture_follows_whether_any_bucket_is_open(sharp_lla
     model, drafter_dir = sharp_llama
     llm = tlt.LLM(model, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=32))
     spec, bandit = llm.spec, llm.spec.bandit
-    top = bandit.bucket(25)
-    bandit.closed[top] = True
-    assert not spec.capturing(25) and spec.capturing(40)  # 25: its own closed bucket; 40: above the gate
+    mid = bandit.bucket(10)
+    bandit.closed[mid] = True
+    assert not spec.capturing(10) and spec.capturing(40)  # 10: its own closed bucket; 40: above the gate
     spec.charge_capture(40, 5.0)
     assert all(bandit.ledger_seconds(b) == 0 for b in range(len(bandit.arms)))
     spec.charge_capture(3, 5.0)

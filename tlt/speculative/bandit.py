@@ -132,10 +132,14 @@ OFF = Arm("off", "off")
 def default_arm_table(device: str = "cpu") -> tuple[list[float], list[list[Arm]]]:
     """(bucket upper bounds, arms per bucket). "gpu": fastrl's table (depth 8, topk 4; verify budget by bucket
     bs 1 -> 48, 2-4 -> 32, 5-20 -> 16, >= 21 -> 8) plus chains, n-gram and off. "cpu": for a ~135M target on 2
-    cores, where a verify token costs a real fraction of a decode step: short chains (depth 1 pays first: one draft
-    token, accepted about 45% of the time at temperature 0.6), one small tree at bs 1, n-gram and off. Each arm a
-    bucket holds is explored again after every publish, so arms that never paid on a CPU are left out
-    (docs/results/spec_arms_cpu-zen4_2026-11-26.txt)."""
+    cores, where a verify token costs a real fraction of a decode step: chains of depth 1 and 2 (depth 1 pays first:
+    one draft token, accepted about 45% of the time at temperature 0.6) below bs 21, n-gram and off. Each arm a
+    bucket holds is explored again after every publish and probe, so arms that never paid on a CPU are left out
+    (docs/results/spec_arms_cpu-zen4_2026-11-26.txt, docs/results/sd_price_cpu-zen4_2026-11-27.txt): no SD arm at
+    bs >= 21, where every SD step of three default runs took 1.5-4.3x the plain decoding it replaced (its catch-up
+    over the whole response so far, and 2-3 verify tokens a row at a batch where a token costs nearly its share of a
+    step), and the tails that loop run narrower; no depth-4 chain or tree, whose steps gave 0.40-0.90x of plain
+    decoding in every bucket of those runs."""
     bounds = [1, 4, 20, math.inf]
     if device == "gpu":
         budgets = [48, 32, 16, 8]
@@ -144,10 +148,10 @@ def default_arm_table(device: str = "cpu") -> tuple[list[float], list[list[Arm]]
     if device != "cpu":
         raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
     return bounds, [
-        [OFF, _ngram(6), _chain(1), _chain(2), _chain(4), _tree(4, 2, 8)],
-        [OFF, _ngram(4), _chain(1), _chain(2), _chain(4)],
+        [OFF, _ngram(6), _chain(1), _chain(2)],
+        [OFF, _ngram(4), _chain(1), _chain(2)],
         [OFF, _ngram(3), _chain(1), _chain(2)],
-        [OFF, _ngram(2), _chain(1)],
+        [OFF],
     ]
 
 
@@ -268,6 +272,7 @@ class StrategyBandit:
         # at its last SHADOW plain steps (one row a step; `shadow`), which shortens the wait for a probe
         self.shadow_hits = [deque(maxlen=SHADOW) for _ in self.arms]
         self._has_ngram = [any(a.method == "ngram" for a in bucket) for bucket in self.arms]
+        self._has_sd = [any(a.method != "off" for a in bucket) for bucket in self.arms]
 
     def bucket(self, batch_size: int) -> int:
         return next(i for i, hi in enumerate(self.bounds) if batch_size <= hi)
@@ -410,11 +415,14 @@ class StrategyBandit:
         return sum(hits) / len(hits) if len(hits) == hits.maxlen else 0.0
 
     def capturing(self, batch_size: int) -> bool:
-        """Whether steps at this batch size should keep hidden states for the drafter (no: its bucket is closed)."""
-        return not self.closed[self.bucket(batch_size)]
+        """Whether steps at this batch size should keep hidden states for the drafter: not where its bucket is closed;
+        in a bucket without SD arms, while a bucket with them is open (its drafts read these states as context)."""
+        b = self.bucket(batch_size)
+        return not self.closed[b] if self._has_sd[b] else self.any_open()
 
     def any_open(self) -> bool:
-        return not all(self.closed)
+        """Whether a bucket with SD arms is open."""
+        return any(sd and not closed for sd, closed in zip(self._has_sd, self.closed))
 
     def forget(self, methods: Sequence[str] = ("eagle_chain", "eagle_tree"), keep: int | None = None,
                gain: float | None = None) -> None:
