@@ -126,3 +126,15 @@ def test_summary_reports_the_free_rollout_ceiling():
     res = e2e.summarize({"off": [rec(3.0, 12.0), rec(2.0, 10.0), rec(4.0, 12.0)]})["off"]
     assert abs(res["gen_share"] - 0.25) < 1e-9  # median of 0.25, 0.2, 0.333
     assert abs(res["free_rollout_bound"] - 12 / 9) < 1e-9  # median of 1.333, 1.25, 1.5
+
+
+def test_without_a_config_the_benches_run_what_tlt_train_runs(monkeypatch, tmp_path):
+    """`tlt bench e2e` and `tlt bench trl` with no CONFIG read the config `tlt train` runs, shipped in the package, from
+    any directory; they read the repository's configs/ copy before, so an installed package fell back to the built-in
+    defaults (20 steps instead of 6). Control: the built-in default differs from the file's."""
+    from tlt.config import load_config
+    from tlt.rl.trainer import DEFAULT_CONFIG
+    monkeypatch.chdir(tmp_path)
+    assert e2e.DEFAULT_CONFIG == DEFAULT_CONFIG and DEFAULT_CONFIG.is_file()
+    assert DEFAULT_CONFIG.parent.parent == Path(e2e.__file__).resolve().parents[1]  # inside the package
+    assert load_config(str(e2e.DEFAULT_CONFIG), []).trainer.total_steps == 6 != load_config(None, []).trainer.total_steps

@@ -5,7 +5,7 @@
     tlt bench e2e data.train_batch_size=4 rollout.n=4 data.max_response_length=128 --steps 6
 
 One GRPOTrainer per mode, each in its own process and run directory, all from the same config and seeds (CONFIG,
-else configs/default.yaml when present, else the built-in defaults: the default task on SmolLM2-135M-Instruct).
+else the one `tlt train` runs, tlt/configs/default.yaml: the default task on SmolLM2-135M-Instruct).
 The modes differ only in the speculative section:
     off       speculative.enabled=false
     always    SD at every batch size with one fixed EAGLE chain (bs_threshold=null, adaptive=false)
@@ -60,7 +60,8 @@ DEFAULT_MODES = ("off", "always", "adaptive")  # each mode is a whole trainer pr
 # frozen: adaptive with the warm-started drafter never trained; ngram: adaptive with model-free drafts only.
 STEP_SPEEDUP_GOAL = 1.7  # the paper's end-to-end headline (docs/design.md §11)
 QUICK_OVERRIDES = ["data.train_batch_size=2", "rollout.n=4", "data.max_response_length=16"]
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+# the config `tlt train` runs with no CONFIG, shipped in the package (a repository's configs/ holds a copy)
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 
 
 # ---------------------------------------------------------------- configs per mode
@@ -70,8 +71,7 @@ def base_config(config_path: str | None, overrides: list[str]):
     """The shared config with model, data and drafter resolved once (so every mode sees the same files)."""
     from tlt.config import load_config
     from tlt.rl.trainer import DistInfo, prepare_config
-    if config_path is None and DEFAULT_CONFIG.is_file():
-        config_path = str(DEFAULT_CONFIG)
+    config_path = config_path or str(DEFAULT_CONFIG)
     cfg = load_config(config_path, overrides)
     wanted_sd = cfg.speculative.enabled
     cfg.speculative.enabled = False  # resolve the drafter here, without building one inside prepare_config
@@ -400,7 +400,7 @@ def plot_curves(records: dict[str, list[dict]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tlt bench e2e", description=__doc__.split("\n\n")[0])
-    ap.add_argument("config", nargs="?", default=None, help="YAML config (default: configs/default.yaml if present)")
+    ap.add_argument("config", nargs="?", default=None, help="YAML config (default: tlt train's, tlt/configs/default.yaml)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     ap.add_argument("--steps", type=int, default=None, help="RL steps per mode (default: trainer.total_steps)")
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_curves(records, png)
 
     d, r, s = cfg.data, cfg.rollout, cfg.speculative
-    print(f"config={config_path or 'built-in defaults'} model={cfg.model.path}")
+    print(f"config={config_path} model={cfg.model.path}")
     print(f"steps={steps} prompts/step={d.train_batch_size} n={r.n} max_response={d.max_response_length} "
           f"temperature={r.temperature} threads={a.threads} (one process per mode, interleaved, order rotated)")
     print(f"SD modes: method={method} ({note}); adaptive bs_threshold={s.bs_threshold}")

@@ -3,7 +3,7 @@
     tlt bench trl [CONFIG] [--steps 3] [--threads 1] [--quick] [key=value ...]
     (needs `pip install trl`, the `bench` extra; `tlt bench trl_grpo` is the same benchmark)
 
-The tlt config (CONFIG, else configs/default.yaml when present, else the built-in defaults) is the single source
+The tlt config (CONFIG, else tlt train's, tlt/configs/default.yaml) is the single source
 of settings; TRL gets the translation: the same model directory, the same train rows in file order (shuffling off
 on both sides), group size rollout.n, data.train_batch_size prompts per step, max_response_length, temperature /
 top_p / top_k, AdamW lr / betas / weight decay / grad clip, constant lr, clip ratios, token-mean loss ("dapo"),
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     res["trl"] = run_trl(cfg, steps, out)
 
     d, r = cfg.data, cfg.rollout
-    print(f"config={config_path or 'built-in defaults'} model={cfg.model.path}")
+    print(f"config={config_path} model={cfg.model.path}")
     print(f"steps={steps} prompts/step={d.train_batch_size} n={r.n} max_response={d.max_response_length} "
           f"lr={cfg.actor.lr} threads={a.threads}; step time: median over steps (min-max), first step included")
     trl_med = statistics.median(res["trl"]["step_s"]) if res["trl"].get("step_s") else None
