@@ -400,7 +400,8 @@ def plot_curves(records: dict[str, list[dict]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tlt bench e2e", description=__doc__.split("\n\n")[0])
-    ap.add_argument("config", nargs="?", default=None, help="YAML config (default: tlt train's, tlt/configs/default.yaml)")
+    ap.add_argument("config", nargs="?", default=None,
+                    help="YAML config (default: tlt train's, tlt/configs/default.yaml)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     ap.add_argument("--steps", type=int, default=None, help="RL steps per mode (default: trainer.total_steps)")
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES),

@@ -14,19 +14,17 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   arm's last PRICE_STEPS (8) steps at that batch size in its window (at the nearest batch size it ran in the bucket
   otherwise). An arm's estimate sum(plain seconds) / sum(seconds) over its window is a speedup over plain decoding;
   "off"'s is its steps' plain seconds over their price, 1.0 (a plain step emits one token a row). Raw tokens/s would
-  compare arms measured at different batch
-  sizes of one bucket: at bs 2-4 a decode step costs about the same at either end, so whichever arm happened to run at
-  bs 4 looked twice as fast as one that ran at bs 2.
+  compare arms measured at different batch sizes of one bucket: at bs 2-4 a decode step costs about the same at
+  either end, so whichever arm happened to run at bs 4 looked twice as fast as one that ran at bs 2.
 - Every arm is priced at the same, recent plain step time: a bucket's windows are priced again at "off"'s current step
   times at each of its first `reprice_every` (16) "off" steps and every 16th after (every bucket's, for an "off" step
   at bs 1, the fixed part below), not frozen at the time known when each step was recorded. Each of the first 16
   counts because a bucket where SD pays sees few "off" steps: priced at its first alone, a cold first step set the
   price for a whole run (docs/design.md §6). Frozen, an SD step kept the t_off of its moment for its whole window: at
-  bs 2 on a 2-core CPU the
-  first plain steps of a process ran 13-16 ms and the later ones 10-11 ms, so a chain at 0.87x of plain decoding was
-  recorded at 1.01x against "off"'s 0.94x and held 65% of the steps for hundreds of steps. Repricing at every "off"
-  step instead cost O(batch sizes in the window) a step: about 250 us a step at bs 21-200 with the GPU table, against
-  30 us now.
+  bs 2 on a 2-core CPU the first plain steps of a process ran 13-16 ms and the later ones 10-11 ms, so a chain at
+  0.87x of plain decoding was recorded at 1.01x against "off"'s 0.94x and held 65% of the steps for hundreds of
+  steps. Repricing at every "off" step instead cost O(batch sizes in the window) a step: about 250 us a step at bs
+  21-200 with the GPU table, against 30 us now.
 - The price must not rest on one step, nor on old ones. A mean let one cold step set it: in a default run the first
   plain step at bs 22 took 3.1 s (the next ones 30-60 ms), the n-gram arm at bs 21-32 then looked 40x faster, ran on
   every step there, "off" never ran there again, and the ledger claimed more seconds saved than the rollouts took
@@ -533,8 +531,9 @@ class StrategyBandit:
         steps = self.steps[b][name]
         if not steps:
             return -math.inf
-        if self.off[b] is not None and name == self.off[b].name:  # its steps' price over their price: its tokens a
-            return steps.plain / max(self._off_price_sum(b), 1e-9)  # row a step, 1.0; its slow steps not held against it
+        if self.off[b] is not None and name == self.off[b].name:
+            # its steps' plain seconds over their price: its tokens a row a step, 1.0; its slow steps not held against it
+            return steps.plain / max(self._off_price_sum(b), 1e-9)
         return steps.plain / max(steps.seconds, 1e-9)
 
     def _off_price_sum(self, b: int) -> float:
