@@ -246,7 +246,7 @@ def test_arms_compared_at_their_own_batch_size():
 
 def test_sd_steps_are_priced_at_the_current_plain_step_time():
     """At bs 2 a plain step took 14 ms while the process warmed up, then 11 ms. A chain's steps (1.575 tokens a row in
-    20.5 ms: 0.77x of an 11 ms plain step) recorded in between looked 1.08x against the first "off" steps and were
+    20.5 ms: 0.85x of an 11 ms plain step) recorded in between looked 1.08x against the first "off" steps and were
     chosen. The later "off" steps alone reprice them (at the lower median of the last 8 "off" steps at bs 2): the
     chain falls below "off", the ledger of its steps turns negative and the bucket closes. Priced when recorded (the
     control: the chain's estimate would not move with "off" steps), it kept its 1.08x for its whole window."""
@@ -410,7 +410,7 @@ def test_each_batch_size_has_its_own_price_and_off_is_one():
     chain = Arm("chain2", "eagle_chain", 2, 1, 2)
     bandit = StrategyBandit([4, math.inf], [[OFF, chain], [OFF]], epsilon=0.0, reprice_every=1)
     for bs, s in ((2, 0.010), (3, 0.012), (4, 0.020), (2, 0.011), (3, 0.300)):
-        bandit.update(bs, OFF, bs, s)  # bs 2 at 10 ms (the lower median of 10 and 11), bs 3 at 12 ms
+        bandit.update(bs, OFF, bs, s)  # bs 2 at 10 ms (lower median of 10, 11), bs 3 at 12 ms (300 outvoted)
     assert bandit.estimate(0, "off") == 1.0
     bandit.update(3, chain, 6, 0.024)  # 2 tokens a row in 24 ms at bs 3, where a plain step takes 12 ms
     bandit.update(1, chain, 1, 0.0105)  # bs 1 never ran "off": priced at bs 2's 10 ms (the nearest)

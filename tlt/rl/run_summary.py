@@ -32,7 +32,7 @@ def compare_sd(trainer) -> dict[str, Any] | None:
     ids = [ex.prompt_ids for ex in prompts]
     if hasattr(os, "sync"):
         # the checkpoint just saved is dirty in the page cache; flushed 30 s later it slowed a 2-core CPU's decoding
-        # 10-15% for ~20 s, inside the second timed rollout (docs/design.md §11)
+        # about 10% for ~20 s, inside the second timed rollout (docs/design.md §11)
         os.sync()
     # plain decoding of the very weights the SD engine decodes (rollout_model: a bf16 copy by default on bf16 CPUs)
     plain = LLM(model=trainer.rollout_model, tokenizer=trainer.tokenizer, **trainer.cfg.engine_args())
