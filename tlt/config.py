@@ -11,12 +11,16 @@ a message that says what is allowed.
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
 from tlt.schema import ConfigError, close_matches_hint, option, set_option, type_name
 from tlt.speculative.config import SpecConfig
+
+# the config `tlt train` runs with no CONFIG (the benchmarks too), shipped in the package
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
 _f = option  # every field below: a default, a help string, optional bounds
 __all__ = ["Config", "ConfigError", "SpecConfig", "load_config", "format_config", "save_config", "config_to_dict",

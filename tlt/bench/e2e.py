@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from tlt.bench.common import print_json_line, print_table
+from tlt.config import DEFAULT_CONFIG  # tlt train's config; a repository's configs/ holds a copy
 from tlt.device import trim_host_memory
 from tlt.engine.llm_engine import SMALL_BATCHES
 
@@ -60,8 +61,6 @@ DEFAULT_MODES = ("off", "always", "adaptive")  # each mode is a whole trainer pr
 # frozen: adaptive with the warm-started drafter never trained; ngram: adaptive with model-free drafts only.
 STEP_SPEEDUP_GOAL = 1.7  # the paper's end-to-end headline (docs/design.md §11)
 QUICK_OVERRIDES = ["data.train_batch_size=2", "rollout.n=4", "data.max_response_length=16"]
-# the config `tlt train` runs with no CONFIG, shipped in the package (a repository's configs/ holds a copy)
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 
 
 # ---------------------------------------------------------------- configs per mode

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from tlt.config import Config, ConfigError, format_config, load_config
+from tlt.config import DEFAULT_CONFIG, Config, ConfigError, format_config, load_config
 from tlt.device import DTYPES, huge_pages_for_host_tensors, retain_freed_host_memory, usable_cpus
 from tlt.drafter_train.hook import DrafterHook
 from tlt.engine.outputs import RequestOutput
@@ -74,7 +74,6 @@ if TYPE_CHECKING:
     from tlt.models.decoder import Decoder
 
 MAX_GEN_BATCHES = 4  # DAPO dynamic sampling: rollout rounds per step before training on what was kept
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"  # `tlt train` with no CONFIG
 __all__ = ["GRPOTrainer", "DistInfo", "check_launch", "prepare_config", "spot_training", "run_rank", "main"]
 
 

@@ -215,6 +215,12 @@ class _Window:
                          if tokens)
 
 
+def _steps_at(window: _Window | None, batch_size: int) -> int:
+    """How many of the window's steps ran at this batch size (both keys: valued by the critical row or not)."""
+    sums = window.by_key if window is not None else {}
+    return sum(sums[k][0] for k in ((batch_size, False), (batch_size, True)) if k in sums)
+
+
 class StrategyBandit:
     def __init__(self, bucket_bounds: Sequence[float] | None = None, arms: Sequence[Sequence[Arm]] | None = None,
                  epsilon: float = 0.1, window: int = 300, seed: int = 0, min_gain: float = 0.03,
@@ -303,9 +309,7 @@ class StrategyBandit:
         off = self.off[b]
         if off is None or not self.refresh or not self.steps[b][off.name]:
             return False  # no "off", no refresh, or still untried (tried first anyway)
-        sums = self.steps[b][off.name].by_key
-        at_bs = sum(sums[k][0] for k in ((batch_size, False), (batch_size, True)) if k in sums)
-        return self.since_off[b] >= self.refresh or at_bs < 2
+        return self.since_off[b] >= self.refresh or _steps_at(self.steps[b][off.name], batch_size) < 2
 
     @property
     def untried(self) -> list[list[str]]:
@@ -512,7 +516,7 @@ class StrategyBandit:
         off = self.off[b]
         window = self.steps[b][off.name] if off is not None else None
         sums = window.by_key if window is not None else {}
-        if (batch_size, False) not in sums and (batch_size, True) not in sums:  # not at this batch size
+        if not _steps_at(window, batch_size):  # not at this batch size
             if exact or not sums:
                 return None
             batch_size = min((bs for bs, _ in sums), key=lambda k: (abs(k - batch_size), k))
