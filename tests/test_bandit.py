@@ -654,3 +654,75 @@ def test_a_closed_bucket_runs_off_even_if_an_sd_arm_looks_best_later():
     for _ in range(50):
         bandit.update(1, OFF, 0.5, 1.0)  # plain decoding slows: the chain's steps now price above "off"
     assert bandit.best(1) is chain and bandit.select(1) is OFF  # the greedy choice moved; closed still runs off
+
+
+def test_drafter_arms_that_do_not_pay_retire_where_the_n_gram_arm_does():
+    """Chains at 0.7x of plain decoding beside an n-gram arm at 1.5x (a looping tail): the bucket stays open, but once
+    each chain has min_samples steps and they lost time, the chains retire: not chosen, not explored, and the bucket's
+    steps keep no hidden states (the drafter's capture, data and rounds stop; n-gram drafts read none). Control:
+    with close=False the chains are still explored (decayed, never zero) and the bucket keeps capturing."""
+    ngram, chain1, chain2 = Arm("ngram4", "ngram", 4, 1, 4), Arm("chain1", "eagle_chain", 1, 1, 1), \
+        Arm("chain2", "eagle_chain", 2, 1, 2)
+
+    def run(close):
+        bandit = _one_bucket([OFF, ngram, chain1, chain2], epsilon=0.2, close=close, min_samples=5, probe=0.0)
+        late_chain = 0
+        for step in range(3000):
+            arm = bandit.select(1)
+            bandit.update(1, arm, {OFF: 1.0, ngram: 1.5}.get(arm, 0.7), 1.0)
+            late_chain += step >= 500 and arm.method == "eagle_chain"
+        return bandit, late_chain
+
+    bandit, late_chain = run(close=True)
+    assert bandit.retired_buckets() == ["bs>=1"] and bandit.closed_buckets() == [] and late_chain == 0
+    assert bandit.best(1) is ngram and bandit.counts[0]["ngram4"] > 2500
+    assert not bandit.capturing(1) and not bandit.any_open()
+    control, late_chain = run(close=False)
+    assert control.retired_buckets() == [] and late_chain >= 5 and control.capturing(1)
+    # the CPU table: where every bucket's chains retired, the bucket without SD arms stops capturing too
+    cpu = StrategyBandit(*default_arm_table("cpu"), epsilon=0.0, min_samples=1, probe=0.0)
+    for bs in (1, 3, 10):
+        b = cpu.bucket(bs)
+        cpu.update(bs, OFF, bs, 0.010)
+        for arm in cpu.arms[b][1:]:  # n-gram at 1.5x, chains at 0.5x
+            cpu.update(bs, arm, bs * (3 if arm.method == "ngram" else 1), 0.020)
+        assert cpu.retired[b] and not cpu.closed[b] and not cpu.capturing(bs)
+        assert cpu.capturing(30) == (bs != 10)  # control: while a bucket's chains may run
+
+
+def test_retired_drafter_arms_return_for_a_drafter_that_could_pay_and_by_probe():
+    """Retired chains (0.6x, the n-gram arm paying) stay retired for a drafter 10% better (0.66x), and return, capture
+    with them, for one 80% better (1.19x beats "off") or one of unknown gain. And by themselves: chains at 0.7x for
+    3000 steps, then 2.0x (the drafter's text came back); with probe=0.05 they are tried again once the bucket has
+    decoded 20x what they lost, and after the turn they run most steps. Control: probe=0, retired to the end."""
+    ngram, chain = Arm("ngram4", "ngram", 4, 1, 4), Arm("chain1", "eagle_chain", 1, 1, 1)
+
+    def retired():
+        bandit = _one_bucket([OFF, ngram, chain], epsilon=0.0, min_samples=2, probe=0.0)
+        for arm, tokens in ((OFF, 1.0), (ngram, 1.5), (chain, 0.6), (chain, 0.6)):
+            bandit.update(1, arm, tokens, 1.0)
+        assert bandit.retired_buckets() == ["bs>=1"] and not bandit.capturing(1)
+        return bandit
+
+    bandit = retired()
+    bandit.forget(gain=0.1)
+    assert bandit.retired_buckets() == ["bs>=1"] and not bandit.capturing(1)
+    for control in (dict(gain=0.8), {}):
+        bandit = retired()
+        bandit.forget(**control)
+        assert bandit.retired_buckets() == [] and bandit.capturing(1), control
+
+    def run(probe):
+        bandit = _one_bucket([OFF, ngram, chain], epsilon=0.2, min_samples=5, probe=probe)
+        mid_chain = late_chain = 0
+        for step in range(6000):
+            arm = bandit.select(1)
+            bandit.update(1, arm, {OFF: 1.0, ngram: 1.2}.get(arm, 0.7 if step < 3000 else 2.0), 1.0)
+            mid_chain += 1000 <= step < 3000 and arm is chain
+            late_chain += step >= 4000 and arm is chain
+        return bandit, mid_chain / 2000, late_chain / 2000
+
+    bandit, mid, late = run(0.05)
+    assert bandit.probes >= 5 and mid < 0.1 and late > 0.8, (bandit.probes, mid, late)
+    bandit, mid, late = run(0.0)
+    assert bandit.probes == 0 and late == 0 and bandit.retired_buckets() == ["bs>=1"]

@@ -309,15 +309,21 @@ def test_rounds_back_off_while_they_do_not_pay_for_themselves(tiny_llama_dir, tm
         hook.trainer.evaluate = evaluate
         return hook
 
-    def run(hook, sd_saved_s: float, steps: range, sd_time_s: float = 100.0):
+    def run(hook, sd_saved_s: float, steps: range, sd_time_s: float = 100.0, ngram: bool = False,
+            keep_s: float = 0.0):
         """sd_time_s: the rollouts' SD steps took this long (a 10% gain in accept length is worth a tenth of it, far
-        more than a round on the tiny model costs)."""
+        more than a round on the tiny model costs); ngram: they were n-gram steps, not the drafter's; keep_s: the
+        seconds spent keeping hidden states for the drafter."""
         ran, steps_trained, compared = [], [], 0
         for step in steps:
             hook.before_rollout(step)
             llm.spec.reset_stats()  # "the rollout": SD steps took sd_time_s seconds and saved sd_saved_s seconds
             llm.spec.st["sd_step_time_s"] = sd_time_s
             llm.spec.st["plain_equiv_s"] = sd_time_s + sd_saved_s
+            if not ngram:
+                llm.spec.st["drafter_step_time_s"] = sd_time_s
+                llm.spec.st["drafter_plain_equiv_s"] = sd_time_s + sd_saved_s
+            llm.spec.st["hist_time_s"] = keep_s
             hook.rollout_done(step)
             m = hook.after_rollout(step, None, outs)
             if m["drafter/steps"] > 0:
@@ -326,8 +332,9 @@ def test_rounds_back_off_while_they_do_not_pay_for_themselves(tiny_llama_dir, tm
             compared += "drafter/compare/tokens" in m
         return ran, steps_trained, compared
 
-    def rounds(backoff_max_steps: int, sd_saved_s: float, gains: bool, sd_time_s: float = 100.0, **kw):
-        return run(make(backoff_max_steps, gains, **kw), sd_saved_s, range(1, 15), sd_time_s)[0]
+    def rounds(backoff_max_steps: int, sd_saved_s: float, gains: bool, sd_time_s: float = 100.0, ngram=False,
+               keep_s=0.0, **kw):
+        return run(make(backoff_max_steps, gains, **kw), sd_saved_s, range(1, 15), sd_time_s, ngram, keep_s)[0]
 
     def skipped(ran, k=1):  # turns skipped between the rounds that ran
         return [(b - a) // k - 1 for a, b in zip(ran, ran[1:])]
@@ -355,6 +362,11 @@ def test_rounds_back_off_while_they_do_not_pay_for_themselves(tiny_llama_dir, tm
     every_step = list(range(first, 15))
     assert rounds(0, 0.0, gains=False) == every_step   # control: no back-off
     assert rounds(8, 1e3, gains=False) == every_step   # control: SD saved more than a round costs
+    # ...but not where the n-gram arms saved it (they need no drafter: after the update, no budget for a round at
+    # all), nor where keeping hidden states for the drafter cost more
+    ran = rounds(8, 1e3, gains=False, ngram=True)
+    assert skipped(ran) == [1, 2, 4] if spot else ran == [], ran
+    assert skipped(rounds(8, 1e3, gains=False, keep_s=2e3)) == [1, 2, 4]
     assert skipped(rounds(8, 1e-6, gains=False)) == [1, 2, 4]  # SD saved time, but less than a round costs
     assert rounds(8, 0.0, gains=True) == every_step    # control: the rounds raise the accept length, worth 10 s
     # a gain where SD ran no step is worth nothing: spot rounds back off; after the update no round runs at all
@@ -451,7 +463,9 @@ def test_a_round_after_the_update_spends_at_most_what_sd_could_save(tiny_llama_d
         """One RL step whose rollout's SD steps took sd_time_s and saved sd_saved_s; its drafter metrics."""
         hook.before_rollout(n)
         llm.spec.reset_stats()
-        llm.spec.st["sd_step_time_s"], llm.spec.st["plain_equiv_s"] = sd_time_s, sd_time_s + sd_saved_s
+        st = llm.spec.st  # the drafter's SD steps
+        st["sd_step_time_s"] = st["drafter_step_time_s"] = sd_time_s
+        st["plain_equiv_s"] = st["drafter_plain_equiv_s"] = sd_time_s + sd_saved_s
         hook.rollout_done(n)
         return hook.after_rollout(n, None, outs)
 
@@ -530,7 +544,9 @@ def test_a_round_judged_worse_on_fresh_responses_is_undone(tiny_llama_dir, tmp_p
         for step in (1, 2):
             hook.before_rollout(step)
             llm.spec.reset_stats()  # "the rollout": SD saved far more than a round costs, so no turn backs off
-            llm.spec.st["sd_step_time_s"], llm.spec.st["plain_equiv_s"] = 100.0, 1100.0
+            st = llm.spec.st  # the drafter's SD steps
+            st["sd_step_time_s"] = st["drafter_step_time_s"] = 100.0
+            st["plain_equiv_s"] = st["drafter_plain_equiv_s"] = 1100.0
             hook.rollout_done(step)
             metrics.append(hook.after_rollout(step, None, outs))
         assert metrics[0]["drafter/published"] == 1 and len(seen) == 3

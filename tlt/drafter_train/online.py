@@ -29,9 +29,11 @@ the "idle" core slowed a 2-core CPU's rollout by 5-15%: docs/results/spot_conten
 runs on top of the step, and a publish reopens the bandit's closed buckets where its gain could pay, whose
 exploration and capture then cost the next rollout again. So the rounds must pay for themselves: a round's cost is
 what it added to its step (its training and the comparison beside it, or with spot what the step waited for it),
-and what the drafter is worth a rollout is SD's net saving there (spec_net_saved_s) plus what the last round's
-gain g in held-out accept length would add to it (the SD steps, accepting 1 + g times as many tokens, would take
-1 / (1 + g) of their time). While the worth falls short of the cost, each round that gets a verdict skips the
+and what the drafter is worth a rollout is the net saving of its SD steps there (spec_drafter_net_saved_s; not
+the n-gram arms', which need no drafter: in default runs on a 2-core CPU their saving in looping tails paid for
+rounds of a drafter whose own steps lost time) plus what the last round's gain g in held-out accept length would add
+to it (its SD steps, accepting 1 + g times as many tokens, would take 1 / (1 + g) of their time), less the seconds
+spent keeping hidden states for it. While the worth falls short of the cost, each round that gets a verdict skips the
 next 1, then 2, 4, ... turns (at most backoff_max_steps in a row); a rollout where it does not ends the
 back-off from the next turn. A round's gain is measured where it will be used: on the next step's held-out
 responses (prompts no drafter trained on), the published drafter against the weights before that round, at the
@@ -48,7 +50,7 @@ ran beside (5-15% on a 2-core CPU), so spot rounds back off only where the draft
 publish hands the bandit is the round's own slice's, which errs toward reopening (after an undo, over the weights
 the engine had: the undone round's own gain divided out).
 
-Budget (spot off, back-off on): a drafter can earn a rollout at most plain decoding's time for its SD steps' tokens
+Budget (spot off, back-off on): a drafter can earn a rollout at most plain decoding's time for its own SD steps' tokens
 (the worth above with a gain without bound), so over a turn that is what a round after the update may add to its
 step. A turn whose budget does not exceed the latest round's cost (0 before any round) skips the round and the
 comparison and drops its training; a round starts no drafter step once its budget, less the comparison's time and
@@ -270,7 +272,7 @@ class OnlineDrafterHook(DrafterHook):
         if self.spot or not self.cfg.backoff_max_steps:
             return None
         st = self.spec.stats()
-        return (st["spec_net_saved_s"] + st["spec_step_time_s"]) * self.cfg.every_k_steps
+        return (st["spec_drafter_net_saved_s"] + st["spec_drafter_step_time_s"]) * self.cfg.every_k_steps
 
     def _may_pay(self) -> bool:
         """Whether this turn's budget exceeds what the latest round added to its step (0 before any round)."""
@@ -283,9 +285,11 @@ class OnlineDrafterHook(DrafterHook):
             return {}
         st = self.spec.stats()
         gain = max(self._round_gain or 0.0, 0.0)
-        # a rollout's worth of the drafter: SD's net saving, plus what the gain saves on the SD steps' tokens
-        # (accepting (1 + gain) times as many a step, they take spec_step_time_s / (1 + gain))
-        worth = st["spec_net_saved_s"] + st["spec_step_time_s"] * gain / (1 + gain)
+        # a rollout's worth of the drafter: its SD steps' net saving (the n-gram arms' needs no drafter), plus what
+        # the gain saves on their tokens (accepting (1 + gain) times as many a step, they take 1 / (1 + gain) of
+        # their time), less the seconds spent keeping hidden states for it
+        worth = (st["spec_drafter_net_saved_s"] + st["spec_drafter_step_time_s"] * gain / (1 + gain)
+                 - st["spec_hidden_keep_time_s"])
         if worth * self.cfg.every_k_steps > self.round_cost:  # SD pays for the rounds (one a turn): every turn
             self.backoff_gap = self.skip_left = 0
         elif self._round_gain is not None:  # a round got its verdict this step and does not pay for itself

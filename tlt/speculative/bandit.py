@@ -95,6 +95,7 @@ from typing import Sequence
 
 METHODS = ("eagle_chain", "eagle_tree", "ngram", "off")
 SD_METHODS = tuple(m for m in METHODS if m != "off")
+DRAFTER_METHODS = ("eagle_chain", "eagle_tree")  # the arms that draft with the learned drafter (and need its states)
 SHADOW = 16  # a closed bucket's shadow n-gram steps that set its hit rate; no probe before that many plain steps
 PRICE_STEPS = 8  # the "off" steps at a batch size whose lower median prices a plain step there
 
@@ -276,14 +277,23 @@ class StrategyBandit:
         # at its last SHADOW plain steps (one row a step; `shadow`), which shortens the wait for a probe
         self.shadow_hits = [deque(maxlen=SHADOW) for _ in self.arms]
         self._has_ngram = [any(a.method == "ngram" for a in bucket) for bucket in self.arms]
-        self._has_sd = [any(a.method != "off" for a in bucket) for bucket in self.arms]
+        self._has_drafter = [any(a.method in DRAFTER_METHODS for a in bucket) for bucket in self.arms]
+        # per open bucket: whether its learned-drafter arms are retired (they did not pay there; `_update_retired`),
+        # the accept-length growth published since, the drafter steps recorded since they (re)opened, and the steps
+        # and seconds decoded there since they retired with the seconds at which they are probed again
+        self.retired = [False for _ in self.arms]
+        self.retired_gain = [1.0 for _ in self.arms]
+        self.drafter_since_open = [0 for _ in self.arms]
+        self.retired_steps = [0 for _ in self.arms]
+        self.retired_s = [0.0 for _ in self.arms]
+        self.retired_probe_after = [math.inf for _ in self.arms]
 
     def bucket(self, batch_size: int) -> int:
         return next(i for i, hi in enumerate(self.bounds) if batch_size <= hi)
 
     def select(self, batch_size: int) -> Arm:
         b = self.bucket(batch_size)
-        arms = self.arms[b]
+        arms = self._active(b)
         untried = self._untried(b)
         if self.closed[b]:
             arm = self.off[b]  # a bucket closes only where it has an "off" arm
@@ -318,7 +328,13 @@ class StrategyBandit:
         return [[a.name for a in self._untried(b)] for b in range(len(self.arms))]
 
     def _untried(self, b: int) -> list[Arm]:
-        return [a for a in self.arms[b] if not self.steps[b][a.name]]
+        return [a for a in self._active(b) if not self.steps[b][a.name]]
+
+    def _active(self, b: int) -> list[Arm]:
+        """Bucket b's arms that may be chosen: all but the learned-drafter arms where they are retired."""
+        if not self.retired[b]:
+            return self.arms[b]
+        return [a for a in self.arms[b] if a.method not in DRAFTER_METHODS]
 
     def update(self, batch_size: int, arm: Arm, tokens: float, seconds: float, critical: float | None = None) -> None:
         """Record one step of `arm` run at `batch_size` (the size it was selected for): tokens emitted, seconds.
@@ -336,6 +352,7 @@ class StrategyBandit:
         self.steps[b][arm.name].add(key, float(tokens), critical, float(seconds), price)
         sd = arm.method != "off"
         self.sd_since_open[b] += sd
+        self.drafter_since_open[b] += arm.method in DRAFTER_METHODS
         if sd:
             self.ledger[b].add(key, float(tokens), critical, float(seconds), price)
         else:
@@ -353,7 +370,15 @@ class StrategyBandit:
                     self.probes += 1
                     self._reopen(b, SD_METHODS, keep=0)
                     return
+        if self.retired[b] and not self.closed[b]:
+            self.retired_steps[b] += 1
+            self.retired_s[b] += float(seconds)
+            if self.retired_steps[b] >= SHADOW and self.retired_s[b] >= self.retired_probe_after[b]:
+                self.probes += 1
+                self._reopen(b, DRAFTER_METHODS, keep=0)
+                return
         self._update_closed(b)
+        self._update_retired(b)
 
     def charge(self, batch_size: int, seconds: float) -> None:
         """Book `seconds` spent at `batch_size` on the machinery SD needs on every step (keeping the target's
@@ -398,6 +423,34 @@ class StrategyBandit:
         if self.closed[b]:  # it probes again once plain decoding there took 1 / probe times what SD lost
             self.probe_after[b] = -self.ledger_seconds(b) / self.probe if self.probe else math.inf
 
+    def _update_retired(self, b: int) -> None:
+        """Retire bucket b's learned-drafter arms where they did not pay, while other arms may (an n-gram arm in
+        looping tails): every drafter arm with `min_samples` steps or dominated (`_dominated`: rarely explored), none
+        beating "off" by min_gain, and their steps together slower than plain decoding of their tokens. Retired arms are neither
+        chosen nor explored and, where every bucket's are, no step keeps hidden states (`capturing`), so the
+        drafter's data, rounds and publishes stop too (tlt.drafter_train.online). They come back with a published
+        drafter whose gain could pay (`forget`), with a probe of a closed bucket, and by their own probe: once the
+        bucket decoded 1 / `probe` times the seconds they lost there (at least SHADOW steps), with their windows
+        emptied (docs/design.md §6)."""
+        if not self.close or self.retired[b] or self.closed[b] or not self.drafter_since_open[b]:
+            return
+        off = self.off[b]
+        drafters = [a for a in self.arms[b] if a.method in DRAFTER_METHODS]
+        if off is None or not drafters:
+            return
+        best = self._best(b)
+        if not all(len(self.steps[b][a.name]) >= self.min_samples or self._dominated(b, a.name, best)
+                   for a in drafters):
+            return  # not enough evidence yet
+        if max(self.estimate(b, a.name) for a in drafters) >= (1 + self.min_gain) * self.estimate(b, off.name):
+            return  # one of them pays
+        lost = sum(self.steps[b][a.name].seconds - self.steps[b][a.name].plain for a in drafters)
+        if lost <= 0:
+            return
+        self.retired[b] = True
+        self.retired_steps[b], self.retired_s[b] = 0, 0.0
+        self.retired_probe_after[b] = lost / self.probe if self.probe else math.inf
+
     def shadowing(self, batch_size: int) -> bool:
         """Whether a plain step at this batch size should ask the n-gram drafter for a row's next token (`shadow`):
         its bucket is closed, probes, and has an n-gram arm."""
@@ -417,28 +470,37 @@ class StrategyBandit:
         return sum(hits) / len(hits) if len(hits) == hits.maxlen else 0.0
 
     def capturing(self, batch_size: int) -> bool:
-        """Whether steps at this batch size should keep hidden states for the drafter: not where its bucket is closed;
-        in a bucket without SD arms, while a bucket with them is open (its drafts read these states as context)."""
+        """Whether steps at this batch size should keep hidden states for the drafter: where its bucket's
+        learned-drafter arms may run (the bucket open, they not retired); in a bucket without such arms, while a
+        bucket's may run (its drafts read these states as context). The n-gram arms read none."""
         b = self.bucket(batch_size)
-        return not self.closed[b] if self._has_sd[b] else self.any_open()
+        return self._drafting(b) if self._has_drafter[b] else self.any_open()
 
     def any_open(self) -> bool:
-        """Whether a bucket with SD arms is open."""
-        return any(sd and not closed for sd, closed in zip(self._has_sd, self.closed))
+        """Whether a bucket's learned-drafter arms may run (the bucket open, the arms not retired)."""
+        return any(self._drafting(b) for b in range(len(self.arms)))
 
-    def forget(self, methods: Sequence[str] = ("eagle_chain", "eagle_tree"), keep: int | None = None,
+    def _drafting(self, b: int) -> bool:
+        return self._has_drafter[b] and not self.closed[b] and not self.retired[b]
+
+    def forget(self, methods: Sequence[str] = DRAFTER_METHODS, keep: int | None = None,
                gain: float | None = None) -> None:
         """The drafter of these methods' arms changed: keep only their last `keep` steps (default `min_samples`;
         0 wipes them, and they are tried again first), and restart the exploration decay. gain: the new drafter's
-        accept length over the old one's, less 1, where known; a closed bucket then reopens only if one of these
-        arms, as much faster as the drafters published since it closed made them together, could beat "off" there
-        (`could_pay`); None reopens every bucket."""
+        accept length over the old one's, less 1, where known; a closed bucket then reopens (a bucket's retired
+        drafter arms return) only if one of these arms, as much faster as the drafters published since it closed
+        (they retired) made them together, could beat "off" there (`could_pay`); None reopens every bucket."""
         keep = self.min_samples if keep is None else keep
         for b in range(len(self.arms)):
-            if self.closed[b] and gain is not None:
-                grown = self.closed_gain[b] * max(1 + gain, 0.0)
+            retired = self.retired[b] and any(m in DRAFTER_METHODS for m in methods)
+            if (self.closed[b] or retired) and gain is not None:
+                grown = (self.closed_gain[b] if self.closed[b] else self.retired_gain[b]) * max(1 + gain, 0.0)
                 if not self.could_pay(b, methods, grown - 1):
-                    self.closed_gain[b] = grown  # stays closed: plain decoding, no capture, windows as they were
+                    # stays closed (plain decoding) or retired; no capture there; the windows as they were
+                    if self.closed[b]:
+                        self.closed_gain[b] = grown
+                    else:
+                        self.retired_gain[b] = grown
                     continue
             self._reopen(b, methods, keep)
 
@@ -450,6 +512,9 @@ class StrategyBandit:
         self.closed_steps[b], self.closed_plain_s[b], self.probe_after[b] = 0, 0.0, math.inf
         self.shadow_hits[b].clear()
         self.sd_since_open[b] = 0
+        if any(m in DRAFTER_METHODS for m in methods):
+            self.retired[b], self.retired_gain[b], self.drafter_since_open[b] = False, 1.0, 0
+            self.retired_steps[b], self.retired_s[b], self.retired_probe_after[b] = 0, 0.0, math.inf
         self.ledger[b].keep_last(0, self._prices[b])
         for a in self.arms[b]:
             if a.method in methods:
@@ -536,7 +601,7 @@ class StrategyBandit:
         if not steps:
             return -math.inf
         if self.off[b] is not None and name == self.off[b].name:
-            # its steps' plain seconds over their price: its tokens a row a step, 1.0; its slow steps not held against it
+            # its steps' plain seconds over their price: its tokens a row a step, 1.0; its slow steps do not flatter SD
             return steps.plain / max(self._off_price_sum(b), 1e-9)
         return steps.plain / max(steps.seconds, 1e-9)
 
@@ -549,7 +614,7 @@ class StrategyBandit:
         return self._off_prices[b]
 
     def _best(self, b: int) -> Arm:
-        arms = self.arms[b]
+        arms = self._active(b)
         top = max(arms, key=lambda a: self.estimate(b, a.name))
         off = self.off[b]
         if (off is not None and top is not off
@@ -572,6 +637,10 @@ class StrategyBandit:
 
     def closed_buckets(self) -> list[str]:
         return [self.bucket_name(b) for b, c in enumerate(self.closed) if c]
+
+    def retired_buckets(self) -> list[str]:
+        """The open buckets whose learned-drafter arms are retired (`_update_retired`)."""
+        return [self.bucket_name(b) for b in range(len(self.arms)) if self.retired[b] and not self.closed[b]]
 
     def stats(self) -> dict[str, dict[str, dict[str, float]]]:
         """{bucket: {arm: {"count", "speed_vs_off"}}} for logging."""

@@ -24,7 +24,7 @@ from tlt.device import host_tensor
 from tlt.engine.kv_cache import KVCache
 from tlt.engine.sampler import HostRows, transform_logits
 from tlt.engine.sequence import Sequence
-from tlt.speculative.bandit import Arm, StrategyBandit
+from tlt.speculative.bandit import DRAFTER_METHODS, Arm, StrategyBandit
 from tlt.schema import ConfigError
 from tlt.speculative.config import SpecConfig
 from tlt.speculative.drafter import Drafter
@@ -87,6 +87,7 @@ class SpecDecoder:
                    "accept_by_bucket": defaultdict(lambda: [0, 0]), "accept_by_pos": defaultdict(lambda: [0, 0]),
                    "arm_counts": defaultdict(int), "draft_time_s": 0.0, "verify_time_s": 0.0,
                    "catchup_time_s": 0.0, "hist_time_s": 0.0, "sd_step_time_s": 0.0, "plain_equiv_s": 0.0,
+                   "drafter_step_time_s": 0.0, "drafter_plain_equiv_s": 0.0,
                    "bulk_time_s": 0.0, "tail_time_s": 0.0}
         self._probes_at_reset = self.bandit.probes
         self._gate_on = False
@@ -109,10 +110,16 @@ class SpecDecoder:
             # against plain decoding of the same tokens at the same batch sizes (negative: SD cost time)
             "spec_catchup_time_s": s["catchup_time_s"], "spec_hidden_keep_time_s": s["hist_time_s"],
             "spec_step_time_s": s["sd_step_time_s"], "spec_net_saved_s": s["plain_equiv_s"] - s["sd_step_time_s"],
+            # the same for the learned drafter's steps alone (what online drafter training can earn: the n-gram
+            # arms' steps need no drafter)
+            "spec_drafter_step_time_s": s["drafter_step_time_s"],
+            "spec_drafter_net_saved_s": s["drafter_plain_equiv_s"] - s["drafter_step_time_s"],
             "decode_time_bulk_s": s["bulk_time_s"], "decode_time_tail_s": s["tail_time_s"],
             # buckets where SD did not pay: plain decoding without exploration or capture until a probe or a new
             # drafter
             "spec_closed_buckets": len(self.bandit.closed_buckets()),
+            # open buckets whose learned-drafter arms did not pay (retired): n-gram and plain decoding only there
+            "spec_drafter_retired_buckets": len(self.bandit.retired_buckets()),
             # closed buckets opened again to probe (probe_closed) since the stats were reset
             "spec_probes": self.bandit.probes - self._probes_at_reset,
         }
@@ -251,6 +258,9 @@ class SpecDecoder:
             if arm.method != "off" and (plain := self.bandit.plain_seconds(len(seqs), emitted, critical)) is not None:
                 self.st["sd_step_time_s"] += seconds
                 self.st["plain_equiv_s"] += plain
+                if arm.method in DRAFTER_METHODS:
+                    self.st["drafter_step_time_s"] += seconds
+                    self.st["drafter_plain_equiv_s"] += plain
             self.bandit.update(len(seqs), arm, emitted, seconds, critical)
         return done
 
