@@ -576,7 +576,7 @@ def test_n_gram_hits_in_a_closed_bucket_bring_its_probe_nearer():
         bandit = _one_bucket(list(arms), epsilon=0.0, min_samples=1, probe=0.05)
         bandit.update(1, OFF, 1.0, 1.0)
         for arm in arms[1:]:
-            bandit.update(1, arm, 0.9 if arm is chain else 1.0, 1.0)  # lost 0.1 s
+            bandit.update(1, arm, 0.9 if arm is arms[-1] else 1.0, 1.0)  # lost 0.1 s (the chain beside n-gram none)
         assert bandit.closed_buckets() == ["bs>=1"] and bandit.shadowing(1) is (ngram in arms)
         for n in range(1, 100):
             if ngram in arms:
@@ -653,7 +653,8 @@ def test_a_closed_bucket_runs_off_even_if_an_sd_arm_looks_best_later():
     assert bandit.closed_buckets() == ["bs>=1"]
     for _ in range(50):
         bandit.update(1, OFF, 0.5, 1.0)  # plain decoding slows: the chain's steps now price above "off"
-    assert bandit.best(1) is chain and bandit.select(1) is OFF  # the greedy choice moved; closed still runs off
+    # the chain's steps now price above "off" (it is retired too: it lost); closed still runs off
+    assert bandit.estimate(0, "chain2") > bandit.estimate(0, "off") and bandit.select(1) is OFF
 
 
 def test_drafter_arms_that_do_not_pay_retire_where_the_n_gram_arm_does():
@@ -726,3 +727,32 @@ def test_retired_drafter_arms_return_for_a_drafter_that_could_pay_and_by_probe()
     assert bandit.probes >= 5 and mid < 0.1 and late > 0.8, (bandit.probes, mid, late)
     bandit, mid, late = run(0.0)
     assert bandit.probes == 0 and late == 0 and bandit.retired_buckets() == ["bs>=1"]
+
+
+def test_a_closed_bucket_probes_the_n_gram_arm_while_the_drafter_arms_that_lost_wait():
+    """An n-gram arm (0.8x) and a chain (0.5x) both lose: the bucket closes and the chain, which lost, retires with it.
+    The bucket's probe, brought near by n-gram hits (a looping stretch), tries the n-gram arm afresh but not the chain,
+    which waits for its own probe (1 / probe times the 0.5 s it lost: 10 s of decoding). Control: with the chain not
+    retired, the same probe tries it first."""
+    chain, ngram = Arm("chain1", "eagle_chain", 1, 1, 1), Arm("ngram4", "ngram", 4, 1, 4)
+
+    def probed(retired):
+        bandit = _one_bucket([OFF, chain, ngram], epsilon=0.0, min_samples=1, probe=0.05)
+        for arm, tokens in ((OFF, 1.0), (ngram, 0.8), (chain, 0.5)):
+            bandit.update(1, arm, tokens, 1.0)
+        assert bandit.closed_buckets() == ["bs>=1"] and bandit.retired == [True]
+        bandit.retired[0] = retired
+        while bandit.closed[0]:
+            bandit.shadow(1, True)
+            bandit.update(1, OFF, 0.06, 0.06)
+        return bandit
+
+    bandit = probed(retired=True)
+    assert bandit.probes == 1 and bandit.untried == [["ngram4"]] and bandit.select(1) is ngram
+    assert bandit.retired == [True] and not bandit.capturing(1)
+    for _ in range(200):  # the n-gram arm loses again; the chain's own probe comes after 10 s
+        arm = bandit.select(1)
+        bandit.update(1, arm, {OFF: 0.06, ngram: 0.048}.get(arm, 0.03), 0.06)
+    assert bandit.counts[0]["chain1"] >= 1
+    control = probed(retired=False)
+    assert control.untried == [["chain1", "ngram4"]] and control.select(1) is chain

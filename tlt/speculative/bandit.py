@@ -368,9 +368,9 @@ class StrategyBandit:
                 if (self.closed_steps[b] >= SHADOW
                         and self.closed_plain_s[b] >= self.probe_after[b] * max(1.0 - self.shadow_rate(b), 0.25)):
                     self.probes += 1
-                    self._reopen(b, SD_METHODS, keep=0)
+                    self._reopen(b, self._probed_methods(b), keep=0)
                     return
-        if self.retired[b] and not self.closed[b]:
+        if self.retired[b]:
             self.retired_steps[b] += 1
             self.retired_s[b] += float(seconds)
             if self.retired_steps[b] >= SHADOW and self.retired_s[b] >= self.retired_probe_after[b]:
@@ -422,18 +422,32 @@ class StrategyBandit:
                              for a in self.arms[b] if a.method != "off") and self.ledger_seconds(b) < 0
         if self.closed[b]:  # it probes again once plain decoding there took 1 / probe times what SD lost
             self.probe_after[b] = -self.ledger_seconds(b) / self.probe if self.probe else math.inf
+            if not self.retired[b] and self.drafter_since_open[b]:
+                self._retire_if_lost(b)  # and the drafter's arms, where they lost, on their own probe
+
+    def _probed_methods(self, b: int) -> tuple[str, ...]:
+        """The methods a probe of closed bucket b tries afresh: where its drafter's arms are retired and it has other
+        SD arms, those others (the drafter's wait for their own probe), else every SD arm."""
+        others = tuple(m for m in SD_METHODS if m not in DRAFTER_METHODS)
+        if self.retired[b] and any(a.method in others for a in self.arms[b]):
+            return others
+        return SD_METHODS
 
     def _update_retired(self, b: int) -> None:
         """Retire bucket b's learned-drafter arms where they did not pay, while other arms may (an n-gram arm in
-        looping tails): every drafter arm with `min_samples` steps or dominated (`_dominated`: rarely explored), none
-        beating "off" by min_gain, and their steps together slower than plain decoding of their tokens. Retired arms are neither
-        chosen nor explored and, where every bucket's are, no step keeps hidden states (`capturing`), so the
-        drafter's data, rounds and publishes stop too (tlt.drafter_train.online). They come back with a published
-        drafter whose gain could pay (`forget`), with a probe of a closed bucket, and by their own probe: once the
-        bucket decoded 1 / `probe` times the seconds they lost there (at least SHADOW steps), with their windows
-        emptied (docs/design.md §6)."""
-        if not self.close or self.retired[b] or self.closed[b] or not self.drafter_since_open[b]:
-            return
+        looping tails), on `_drafters_lost`'s rule. Retired arms are neither chosen nor explored and, where every
+        bucket's are, no step keeps hidden states (`capturing`), so the drafter's data, rounds and publishes stop
+        too (tlt.drafter_train.online). They come back with a published drafter whose gain could pay (`forget`) and
+        by their own probe: once the bucket decoded 1 / `probe` times the seconds they lost there (at least SHADOW
+        steps), with their windows emptied; a probe of the closed bucket reopens only its other arms
+        (docs/design.md §6)."""
+        if self.close and not self.retired[b] and not self.closed[b] and self.drafter_since_open[b]:
+            self._retire_if_lost(b)
+
+    def _retire_if_lost(self, b: int) -> None:
+        """Retire bucket b's learned-drafter arms if every one has `min_samples` steps or is dominated
+        (`_dominated`: rarely explored), none beats "off" by min_gain, and their steps together were slower than
+        plain decoding of their tokens."""
         off = self.off[b]
         drafters = [a for a in self.arms[b] if a.method in DRAFTER_METHODS]
         if off is None or not drafters:
@@ -445,11 +459,10 @@ class StrategyBandit:
         if max(self.estimate(b, a.name) for a in drafters) >= (1 + self.min_gain) * self.estimate(b, off.name):
             return  # one of them pays
         lost = sum(self.steps[b][a.name].seconds - self.steps[b][a.name].plain for a in drafters)
-        if lost <= 0:
-            return
-        self.retired[b] = True
-        self.retired_steps[b], self.retired_s[b] = 0, 0.0
-        self.retired_probe_after[b] = lost / self.probe if self.probe else math.inf
+        if lost > 0:
+            self.retired[b] = True
+            self.retired_steps[b], self.retired_s[b] = 0, 0.0
+            self.retired_probe_after[b] = lost / self.probe if self.probe else math.inf
 
     def shadowing(self, batch_size: int) -> bool:
         """Whether a plain step at this batch size should ask the n-gram drafter for a row's next token (`shadow`):
