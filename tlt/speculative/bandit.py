@@ -84,6 +84,14 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   above: once the rows asked keep hitting, a quarter of it. A false alarm costs at most 4 times `probe`. Not
   1 - h ** d, as if a d-token draft's tokens held independently: in a loop they hold together, and that wait missed
   the loops (docs/design.md §6).
+- A bucket stays open while any SD arm pays there, and on a 2-core CPU what paid was the n-gram arm in looping tails
+  while the EAGLE arms lost in every bucket; open, the bucket kept exploring them and keeping hidden states for them,
+  and each publish restarted that. So the learned drafter's arms retire on their own (`_retire_if_lost`: each with
+  `min_samples` steps or dominated, none beating "off" by min_gain, their steps together slower than plain decoding
+  of their tokens), in an open bucket and in one that closes: not chosen, not explored, no hidden states kept for
+  them (`capturing`). A probe of a closed bucket then tries its other SD arms afresh; the drafter's arms return for a
+  drafter whose gain could pay (`forget`) or by their own probe, once the bucket decoded 1 / `probe` times the seconds
+  they lost (at least SHADOW steps).
 """
 from __future__ import annotations
 
@@ -278,7 +286,7 @@ class StrategyBandit:
         self.shadow_hits = [deque(maxlen=SHADOW) for _ in self.arms]
         self._has_ngram = [any(a.method == "ngram" for a in bucket) for bucket in self.arms]
         self._has_drafter = [any(a.method in DRAFTER_METHODS for a in bucket) for bucket in self.arms]
-        # per open bucket: whether its learned-drafter arms are retired (they did not pay there; `_update_retired`),
+        # per bucket: whether its learned-drafter arms are retired (they did not pay there; `_update_retired`),
         # the accept-length growth published since, the drafter steps recorded since they (re)opened, and the steps
         # and seconds decoded there since they retired with the seconds at which they are probed again
         self.retired = [False for _ in self.arms]
@@ -435,7 +443,7 @@ class StrategyBandit:
 
     def _update_retired(self, b: int) -> None:
         """Retire bucket b's learned-drafter arms where they did not pay, while other arms may (an n-gram arm in
-        looping tails), on `_drafters_lost`'s rule. Retired arms are neither chosen nor explored and, where every
+        looping tails), on `_retire_if_lost`'s rule. Retired arms are neither chosen nor explored and, where every
         bucket's are, no step keeps hidden states (`capturing`), so the drafter's data, rounds and publishes stop
         too (tlt.drafter_train.online). They come back with a published drafter whose gain could pay (`forget`) and
         by their own probe: once the bucket decoded 1 / `probe` times the seconds they lost there (at least SHADOW
