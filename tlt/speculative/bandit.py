@@ -418,7 +418,7 @@ class StrategyBandit:
     def _update_closed(self, b: int) -> None:
         """Close the bucket once SD has lost time there (ledger < 0) and the evidence says it will go on losing: an
         SD step since the bucket (re)opened (a new drafter gets its try), "off" the greedy choice, and every SD arm
-        with `min_samples` steps or below `far` times "off"."""
+        that may run (retired ones are judged already) with `min_samples` steps or below `far` times "off"."""
         if not self.close or self.closed[b] or not self.sd_since_open[b]:
             return
         best = self._best(b)
@@ -427,7 +427,7 @@ class StrategyBandit:
         off = self.estimate(b, best.name)
         self.closed[b] = all(len(self.steps[b][a.name]) >= self.min_samples
                              or (self.steps[b][a.name] and self.estimate(b, a.name) < self.far * off)
-                             for a in self.arms[b] if a.method != "off") and self.ledger_seconds(b) < 0
+                             for a in self._active(b) if a.method != "off") and self.ledger_seconds(b) < 0
         if self.closed[b]:  # it probes again once plain decoding there took 1 / probe times what SD lost
             self.probe_after[b] = -self.ledger_seconds(b) / self.probe if self.probe else math.inf
             if not self.retired[b] and self.drafter_since_open[b]:
@@ -442,12 +442,12 @@ class StrategyBandit:
         return SD_METHODS
 
     def _update_retired(self, b: int) -> None:
-        """Retire bucket b's learned-drafter arms where they did not pay, while other arms may (an n-gram arm in
-        looping tails), on `_retire_if_lost`'s rule. Retired arms are neither chosen nor explored and, where every
-        bucket's are, no step keeps hidden states (`capturing`), so the drafter's data, rounds and publishes stop
-        too (tlt.drafter_train.online). They come back with a published drafter whose gain could pay (`forget`) and
-        by their own probe: once the bucket decoded 1 / `probe` times the seconds they lost there (at least SHADOW
-        steps), with their windows emptied; a probe of the closed bucket reopens only its other arms
+        """Retire an open bucket b's learned-drafter arms where they did not pay (while its other arms go on: an
+        n-gram arm in looping tails), on `_retire_if_lost`'s rule. Retired arms are neither chosen nor explored and,
+        where every bucket's are, no step keeps hidden states (`capturing`), so the drafter's data, rounds and
+        publishes stop too (tlt.drafter_train.online). They come back, their windows emptied, with a published
+        drafter whose gain could pay (`forget`) and by their own probe: once the bucket decoded 1 / `probe` times the
+        seconds they lost there (at least SHADOW steps); a probe of the closed bucket reopens only its other arms
         (docs/design.md §6)."""
         if self.close and not self.retired[b] and not self.closed[b] and self.drafter_since_open[b]:
             self._retire_if_lost(b)
@@ -515,15 +515,16 @@ class StrategyBandit:
         for b in range(len(self.arms)):
             retired = self.retired[b] and any(m in DRAFTER_METHODS for m in methods)
             if (self.closed[b] or retired) and gain is not None:
-                grown = (self.closed_gain[b] if self.closed[b] else self.retired_gain[b]) * max(1 + gain, 0.0)
-                if not self.could_pay(b, methods, grown - 1):
+                # the growth published since the bucket closed, and since its drafter arms retired
+                closed_grown = self.closed_gain[b] * max(1 + gain, 0.0)
+                retired_grown = self.retired_gain[b] * max(1 + gain, 0.0)
+                if not self.could_pay(b, methods, (retired_grown if retired else closed_grown) - 1):
                     # stays closed (plain decoding) or retired; no capture there; the windows as they were
-                    if self.closed[b]:
-                        self.closed_gain[b] = grown
-                    else:
-                        self.retired_gain[b] = grown
+                    self.closed_gain[b] = closed_grown if self.closed[b] else 1.0
+                    self.retired_gain[b] = retired_grown if self.retired[b] else 1.0
                     continue
-            self._reopen(b, methods, keep)
+            # retired arms come back to a fresh trial: their windows hold the weights they retired on
+            self._reopen(b, methods, 0 if retired else keep)
 
     def _reopen(self, b: int, methods: Sequence[str], keep: int) -> None:
         """Open bucket b (if closed) with an empty ledger and exploration restarted, these methods' arms cut to their

@@ -33,8 +33,11 @@ class SpecConfig:
     close_buckets: bool = option(True, "a batch-size bucket where SD lost time (net of the hidden-state capture) and "
                                        "plain decoding is the bandit's choice decodes plainly, without exploring "
                                        "or capturing hidden states, until it probes again (probe_closed) or a new "
-                                       "drafter is published (docs/design.md §6)")
-    probe_closed: float = option(0.02, "a closed bucket opens again to probe, every SD arm tried afresh, once it has "
+                                       "drafter is published; in a bucket that stays open, the learned drafter's "
+                                       "arms retire alike where they lost (docs/design.md §6)")
+    probe_closed: float = option(0.02, "a closed bucket opens again to probe, every SD arm tried afresh (the "
+                                       "learned drafter's, where they retired, wait for their own probe, counted "
+                                       "alike from what they lost), once it has "
                                        "decoded plainly for 1 / probe_closed times the seconds SD lost there before "
                                        "it closed, sooner where the n-gram drafter, asked one row's next token each "
                                        "plain step, keeps guessing it (a repetitive tail): where SD never pays, "

@@ -120,7 +120,8 @@ class SpecDecoder:
             "spec_closed_buckets": len(self.bandit.closed_buckets()),
             # open buckets whose learned-drafter arms did not pay (retired): n-gram and plain decoding only there
             "spec_drafter_retired_buckets": len(self.bandit.retired_buckets()),
-            # closed buckets opened again to probe (probe_closed) since the stats were reset
+            # probes since the stats were reset (probe_closed): closed buckets opened again, retired drafter arms
+            # tried again
             "spec_probes": self.bandit.probes - self._probes_at_reset,
         }
 
