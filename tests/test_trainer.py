@@ -489,7 +489,8 @@ def test_online_drafter_hook_state_round_trip(tmp_path, tiny_dir):
     opts = {"speculative.enabled": True, "speculative.method": "eagle", "speculative.bs_threshold": 64,
             "speculative.hysteresis_steps": 1, "drafter_train.min_buffer_tokens": 0, "drafter_train.batch_tokens": 128,
             "drafter_train.window_len": 32, "drafter_train.holdout_fraction": 0.0, "trainer.total_steps": 2,
-            "trainer.save_freq": 2, "drafter_train.backoff_max_steps": 0}  # a round every step, paying or not
+            "trainer.save_freq": 2, "drafter_train.backoff_max_steps": 0,  # a round every step, paying or not,
+            "speculative.close_buckets": False}  # and drafter data every step (the tiny target's chains lose)
     trainer = run(tmp_path / "a", tiny_dir, **opts)
     hook = trainer.drafter_hook
     assert isinstance(hook, OnlineDrafterHook) and hook.version == 2  # no held-out slice: every session publishes
