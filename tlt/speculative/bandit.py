@@ -104,6 +104,7 @@ from typing import Sequence
 METHODS = ("eagle_chain", "eagle_tree", "ngram", "off")
 SD_METHODS = tuple(m for m in METHODS if m != "off")
 DRAFTER_METHODS = ("eagle_chain", "eagle_tree")  # the arms that draft with the learned drafter (and need its states)
+MODEL_FREE_METHODS = tuple(m for m in SD_METHODS if m not in DRAFTER_METHODS)
 SHADOW = 16  # a closed bucket's shadow n-gram steps that set its hit rate; no probe before that many plain steps
 PRICE_STEPS = 8  # the "off" steps at a batch size whose lower median prices a plain step there
 
@@ -290,6 +291,7 @@ class StrategyBandit:
         # the accept-length growth published since, the drafter steps recorded since they (re)opened, and the steps
         # and seconds decoded there since they retired with the seconds at which they are probed again
         self.retired = [False for _ in self.arms]
+        self._undrafted = [[a for a in bucket if a.method not in DRAFTER_METHODS] for bucket in self.arms]
         self.retired_gain = [1.0 for _ in self.arms]
         self.drafter_since_open = [0 for _ in self.arms]
         self.retired_steps = [0 for _ in self.arms]
@@ -340,9 +342,7 @@ class StrategyBandit:
 
     def _active(self, b: int) -> list[Arm]:
         """Bucket b's arms that may be chosen: all but the learned-drafter arms where they are retired."""
-        if not self.retired[b]:
-            return self.arms[b]
-        return [a for a in self.arms[b] if a.method not in DRAFTER_METHODS]
+        return self._undrafted[b] if self.retired[b] else self.arms[b]  # select runs every step: no list built
 
     def update(self, batch_size: int, arm: Arm, tokens: float, seconds: float, critical: float | None = None) -> None:
         """Record one step of `arm` run at `batch_size` (the size it was selected for): tokens emitted, seconds.
@@ -436,9 +436,8 @@ class StrategyBandit:
     def _probed_methods(self, b: int) -> tuple[str, ...]:
         """The methods a probe of closed bucket b tries afresh: where its drafter's arms are retired and it has other
         SD arms, those others (the drafter's wait for their own probe), else every SD arm."""
-        others = tuple(m for m in SD_METHODS if m not in DRAFTER_METHODS)
-        if self.retired[b] and any(a.method in others for a in self.arms[b]):
-            return others
+        if self.retired[b] and any(a.method in MODEL_FREE_METHODS for a in self.arms[b]):
+            return MODEL_FREE_METHODS
         return SD_METHODS
 
     def _update_retired(self, b: int) -> None:
