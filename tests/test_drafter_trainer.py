@@ -1,5 +1,6 @@
 """DrafterTrainer: loss goes down on fixed data, stop flag preempts within one step, async atomic checkpoints."""
 import threading
+import time
 
 import pytest
 import torch
@@ -663,3 +664,51 @@ def test_a_full_buffer_still_brings_each_step_its_training_tokens(tiny_llama_dir
     hook.add_outputs(2, outs)
     assert hook.buffer.num_train_tokens() - full <= 0  # control: the net growth of a full buffer
     assert hook.new_tokens == sum(s.loss_pairs for s in list(hook.buffer.samples)[-len(outs):]) > 0
+
+
+def test_a_spot_rounds_cost_counts_what_it_took_from_the_rollout_beside_it(tiny_llama_dir, tmp_path):
+    """With spot, a round's cost is what the step waited for it plus drafter_train.spot_contention times the seconds
+    its thread ran beside the rollout (docs/design.md §5): a drafter worth 0.2 s a rollout pays for rounds that ran
+    0.3-0.7 s beside it at a contention of 0.1, not at 1.0, where they back off (control: 0, as before the rule)."""
+    import tlt
+    from tlt.config import DrafterTrainConfig
+    from tlt.drafter_train.online import OnlineDrafterHook
+    from tlt.speculative.drafter_io import save_drafter
+
+    plain = tlt.LLM(tiny_llama_dir, dtype="float32")
+    drafter_dir = save_drafter(Drafter(plain.engine.model.cfg), tmp_path / "d")
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", speculative_config={"method": "eagle", "model": str(drafter_dir)})
+    outs = plain.generate([[3, 5, 7, 9]] * 8, tlt.SamplingParams(temperature=1.0, max_tokens=24, seed=1,
+                                                               return_hidden_states=True, ignore_eos=True))
+
+    def run(contention: float, steps: int) -> tuple[list[int], list[dict]]:
+        cfg = DrafterTrainConfig(min_buffer_tokens=0, batch_tokens=64, window_len=16, holdout_fraction=0.25,
+                                 compare_drafters=False, backoff_max_steps=8, spot_contention=contention)
+        hook = OnlineDrafterHook(cfg, llm.spec, spot=True)
+
+        def evaluate(batch, **kw):  # a round's two evaluations: ~0.3 s of its thread, all within the rollout
+            time.sleep(0.15)
+            return {"acc": 0.5, "accept_proxy": 1.5}
+        hook.trainer.evaluate = evaluate
+        ran, metrics = [], []
+        for step in range(1, steps + 1):
+            hook.before_rollout(step)
+            llm.spec.reset_stats()  # "the rollout": 1.2 s, the drafter's SD steps saved 0.2 s in it
+            llm.spec.st["drafter_step_time_s"] = llm.spec.st["sd_step_time_s"] = 1.0
+            llm.spec.st["drafter_plain_equiv_s"] = llm.spec.st["plain_equiv_s"] = 1.2
+            time.sleep(1.2)
+            hook.rollout_done(step)
+            m = hook.after_rollout(step, None, outs)
+            if m["drafter/steps"] > 0:
+                ran.append(step)
+                metrics.append(m)
+        return ran, metrics
+
+    ran, metrics = run(1.0, 8)
+    assert ran[:3] == [2, 4, 7], ran  # skips 1, then 2 turns
+    for m in metrics:
+        assert 0.25 < m["drafter/spot_overlap_s"] < 1.0, m
+        assert m["drafter/round_cost_s"] == pytest.approx(m["drafter/spot_wait_s"] + m["drafter/spot_yield_s"]
+                                                          + m["drafter/spot_overlap_s"])
+    for contention in (0.1, 0.0):  # controls: a round every turn
+        assert run(contention, 5)[0] == [2, 3, 4, 5], contention

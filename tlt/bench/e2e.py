@@ -354,7 +354,8 @@ COSTS = {"rollout": "timing_s/gen", "reward": "timing_s/reward", "old_logp": "ti
          "spec_net_saved": "rollout/spec_net_saved_s", "keep_hidden": "rollout/spec_hidden_keep_time_s",
          "copy_hidden": "rollout/hidden_copy_time_s", "buffer": "drafter/buffer_time_s",
          "train_drafter": "drafter/train_time_s", "spot_wait": "drafter/spot_wait_s",
-         "compare": "drafter/compare/time_s", "capture": "rollout/graph_capture_time_s"}
+         "spot_beside": "drafter/spot_overlap_s", "compare": "drafter/compare/time_s",
+         "capture": "rollout/graph_capture_time_s"}
 
 
 def cost_table(res_records: dict[str, list[dict]]) -> list[dict]:

@@ -28,10 +28,11 @@ Back-off (drafter_train.backoff_max_steps): a round is not free here. It shares 
 the "idle" core slowed a 2-core CPU's rollout by 5-15%: docs/results/spot_contention_cpu-zen4_2026-11-26.txt), or
 runs on top of the step, and a publish reopens the bandit's closed buckets where its gain could pay, whose
 exploration and capture then cost the next rollout again. So the rounds must pay for themselves: a round's cost is
-what it added to its step (its training and the comparison beside it, or with spot what the step waited for it),
-and what the drafter is worth a rollout is the net saving of its SD steps there (spec_drafter_net_saved_s; not
-the n-gram arms', which need no drafter: in default runs on a 2-core CPU their saving in looping tails paid for
-rounds of a drafter whose own steps lost time) plus what the last round's gain g in held-out accept length would add
+what it added to its step (its training and the comparison beside it, or with spot what the step waited for it plus
+spot_contention times the seconds its thread ran beside the rollout, drafter/spot_overlap_s), and what the drafter
+is worth a rollout is the net saving of its SD steps there (spec_drafter_net_saved_s; not the n-gram arms', which
+need no drafter: in default runs on a 2-core CPU their saving in looping tails paid for rounds of a drafter whose own
+steps lost time) plus what the last round's gain g in held-out accept length would add
 to it (its SD steps, accepting 1 + g times as many tokens, would take 1 / (1 + g) of their time), less the seconds
 spent keeping hidden states for it. While the worth falls short of the cost, each round that gets a verdict skips the
 next 1, then 2, 4, ... turns (at most backoff_max_steps in a row); a rollout where it does not ends the
@@ -45,10 +46,8 @@ are not checkpointed) there is no verdict and the back-off stays as it is. A rou
 weights it started from is undone: the next round trains from those weights, and publishes them back if it is
 refused (drafter/reverted; docs/design.md §5, "Publishing"). A skipped turn drops its training: the
 next round trains one pass over what arrived after it, and the skipped steps' data stays in the buffer, where later
-rounds sample it (docs/design.md §5). With spot the cost leaves out what the round's thread took from the rollout it
-ran beside (5-15% on a 2-core CPU), so spot rounds back off only where the drafter is worth nothing. The gain a
-publish hands the bandit is the round's own slice's, which errs toward reopening (after an undo, over the weights
-the engine had: the undone round's own gain divided out).
+rounds sample it (docs/design.md §5). The gain a publish hands the bandit is the round's own slice's, which errs
+toward reopening (after an undo, over the weights the engine had: the undone round's own gain divided out).
 
 Budget (spot off, back-off on): a drafter can earn a rollout at most plain decoding's time for its own SD steps' tokens
 (the worth above with a gain without bound), so over a turn that is what a round after the update may add to its
@@ -120,6 +119,8 @@ class OnlineDrafterHook(DrafterHook):
         self._may_run.set()
         self._paused = threading.Event()   # set by the spot round while it waits for _may_run
         self._yield_s = 0.0                 # what rollout_done waited for the round's step in flight
+        self._spot_start = 0.0              # when the spot round's thread started
+        self._overlap_s: float | None = None  # how long it ran beside the rollout (set by rollout_done)
         self.backoff_gap = 0   # turns skipped after the latest round that did not pay for itself
         self.skip_left = 0     # of those, still to skip
         self.round_cost = 0.0  # seconds the latest round added to its step (the back-off's price of a round)
@@ -150,7 +151,9 @@ class OnlineDrafterHook(DrafterHook):
                     result["error"] = e
                 finally:
                     self._fresh = None
+                    result["end"] = time.perf_counter()
             thread = threading.Thread(target=work, name="tlt-spot-drafter", daemon=True)
+            self._spot_start, self._overlap_s = time.perf_counter(), None
             thread.start()
             self._pending = (thread, result)
 
@@ -165,6 +168,7 @@ class OnlineDrafterHook(DrafterHook):
             while thread.is_alive() and not self._paused.wait(0.005):
                 pass
         self._yield_s = time.perf_counter() - t0
+        self._overlap_s = self._beside_rollout(t0)
 
     def after_rollout(self, step: int, rollout: Any, outputs: list[RequestOutput]) -> dict[str, float]:
         metrics = {"drafter/steps": 0.0, "drafter/train_time_s": 0.0, "drafter/published": 0.0,
@@ -177,13 +181,17 @@ class OnlineDrafterHook(DrafterHook):
             thread.join()
             metrics["drafter/spot_wait_s"] = time.perf_counter() - t0  # what was left after the rollout
             metrics["drafter/spot_yield_s"] = self._yield_s  # the step in flight when the rollout ended
+            overlap = self._overlap_s if self._overlap_s is not None else self._beside_rollout(t0)
+            metrics["drafter/spot_overlap_s"] = overlap  # how long it ran beside the rollout
             self._pending = None
             if "error" in result:
                 raise result["error"]
             metrics.update(result.get("compare", {}))  # the previous step's responses (drafter/compare/rl_step)
             if "trained" in result:
                 metrics.update(self._finish(step, *result["trained"]))
-                self.round_cost = metrics["drafter/spot_wait_s"] + self._yield_s  # what the step waited for it
+                # what the step waited for it, and what it took from the rollout it ran beside
+                self.round_cost = (metrics["drafter/spot_wait_s"] + self._yield_s
+                                   + self.cfg.spot_contention * overlap)
         t0 = time.perf_counter()
         self.add_outputs(step, outputs)
         metrics["drafter/buffer_time_s"] = time.perf_counter() - t0
@@ -201,6 +209,11 @@ class OnlineDrafterHook(DrafterHook):
         metrics |= self.last_train  # loss/acc of the latest round, so the curves have a value every step
         metrics.update({"drafter/version": float(self.version), "drafter/buffer_tokens": float(self.buffer.num_tokens)})
         return metrics
+
+    def _beside_rollout(self, rollout_end: float) -> float:
+        """Seconds the spot round's thread ran beside the rollout that ended at `rollout_end`."""
+        end = self._pending[1].get("end", rollout_end) if self._pending is not None else self._spot_start
+        return max(min(end, rollout_end) - self._spot_start, 0.0)
 
     def add_outputs(self, step: int, outputs: list[RequestOutput]) -> None:
         """Every response's hidden states: hidden[i] produced response token i, i.e. is h at position P-1+i."""
