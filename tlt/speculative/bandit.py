@@ -6,9 +6,10 @@ In a bucket: untried arms first (in table order); then with probability epsilon 
 
 Where this departs from the paper's BEG-MAB (median per-step reward, uniform exploration), and why:
 - Estimate = throughput over the arm's last `window` steps as a ratio of sums, not the median of per-step
-  rewards. The median ignores the rare expensive steps (a drafter catch-up after a stretch of plain decoding, a
-  deep tree's spike) and the rare long accepts, so it ranks arms by their typical step rather than by the tokens
-  per second they actually deliver; the ratio of sums is what a rollout's wall time depends on.
+  rewards. The median ignores the rare expensive steps (a deep tree's spike) and the rare long accepts, so it
+  ranks arms by their typical step rather than by the tokens per second they actually deliver; the ratio of sums is
+  what a rollout's wall time depends on. (A drafter catch-up over a stretch of plain decoding is what switching to
+  the drafter costs, not the arm's speed: the caller charges it to the ledger, tlt.speculative.spec_decoder.)
 - Throughput is measured against plain decoding at the step's own batch size: a step at batch size bs that emits
   `tokens` in `seconds` counts tokens / bs * t_off(bs) "plain seconds", t_off(bs) being the lower median of the "off"
   arm's last PRICE_STEPS (8) steps at that batch size in its window (at the nearest batch size it ran in the bucket

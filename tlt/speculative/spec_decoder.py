@@ -64,6 +64,7 @@ class SpecDecoder:
         self.low_steps = 0
         self._speculating = False  # inside an SD step, whose measured time already includes its capture
         self._shadow_turn = 0      # the row a closed bucket's plain step asks the n-gram drafter about
+        self._gap_s = 0.0          # this step's drafter catch-up beyond a steady step's (see step)
         self.drafter_version = 0
         self.reset_stats()
         engine.attach_speculator(self, slot_caches=(self.dcache,) if self.dcache is not None else (),
@@ -222,6 +223,7 @@ class SpecDecoder:
     def step(self, seqs: list[Sequence]) -> list[Sequence]:
         t0 = time.perf_counter()
         captures, indexing = self.engine.num_graph_captures, self.ngram.index_time_s
+        self._gap_s = 0.0
         arm = self.bandit.select(len(seqs))
         # an SD step's worth with no request waiting: what it gives the critical row (a plain step is worth itself)
         critical = None if arm.method == "off" or self.engine.requests_waiting else _critical_rows(seqs)
@@ -262,7 +264,11 @@ class SpecDecoder:
                 if arm.method in DRAFTER_METHODS:
                     self.st["drafter_step_time_s"] += seconds
                     self.st["drafter_plain_equiv_s"] += plain
-            self.bandit.update(len(seqs), arm, emitted, seconds, critical)
+            # what switching to the drafter cost (_speculate), not its steps' speed: charged to the bucket's ledger,
+            # which closes it, not to the arm (docs/design.md §6)
+            if self._gap_s:
+                self.bandit.charge(len(seqs), self._gap_s)
+            self.bandit.update(len(seqs), arm, emitted, seconds - self._gap_s, critical)
         return done
 
     def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str) -> tuple[list[Sequence], int]:
@@ -281,8 +287,14 @@ class SpecDecoder:
             mask, depths = tree_layout(parents, valid)
         else:
             t_catchup = time.perf_counter()
+            T = max(s.num_cached - self.dcached[s.seq_id] for s in seqs)  # positions to catch up (longest row)
             root_pred = self._drafter_catch_up(seqs)
-            self.st["catchup_time_s"] += time.perf_counter() - t_catchup
+            dt = time.perf_counter() - t_catchup
+            self.st["catchup_time_s"] += dt
+            # a drafter step that follows one catches up what that one accepted, at most its depth + 1 positions; the
+            # rest were decoded by plain steps since the row's last drafter step (its whole prompt at its first):
+            # their share of the catch-up is what switching to the drafter costs (a pass's cost taken as its length)
+            self._gap_s = dt * max(T - arm.depth - 1, 0) / max(T, 1)
             drafted = self._draft(seqs, arm, roots, root_pred, n, temp, gens)
             tokens, parents, q = drafted.tree.tokens, drafted.tree.parents, drafted.tree.q
             mask, depths = drafted.mask, drafted.depths  # a drafted tree has every node valid
