@@ -681,13 +681,14 @@ def test_a_spot_rounds_cost_counts_what_it_took_from_the_rollout_beside_it(tiny_
     outs = plain.generate([[3, 5, 7, 9]] * 8, tlt.SamplingParams(temperature=1.0, max_tokens=24, seed=1,
                                                                return_hidden_states=True, ignore_eos=True))
 
-    def run(contention: float, steps: int) -> tuple[list[int], list[dict]]:
+    def run(contention: float, steps: int, eval_s: float = 0.15, rollout_s: float = 1.2,
+            after_s: float = 0.0) -> tuple[list[int], list[dict]]:
         cfg = DrafterTrainConfig(min_buffer_tokens=0, batch_tokens=64, window_len=16, holdout_fraction=0.25,
                                  compare_drafters=False, backoff_max_steps=8, spot_contention=contention)
         hook = OnlineDrafterHook(cfg, llm.spec, spot=True)
 
         def evaluate(batch, **kw):  # a round's two evaluations: ~0.3 s of its thread, all within the rollout
-            time.sleep(0.15)
+            time.sleep(eval_s)
             return {"acc": 0.5, "accept_proxy": 1.5}
         hook.trainer.evaluate = evaluate
         ran, metrics = [], []
@@ -696,8 +697,9 @@ def test_a_spot_rounds_cost_counts_what_it_took_from_the_rollout_beside_it(tiny_
             llm.spec.reset_stats()  # "the rollout": 1.2 s, the drafter's SD steps saved 0.2 s in it
             llm.spec.st["drafter_step_time_s"] = llm.spec.st["sd_step_time_s"] = 1.0
             llm.spec.st["drafter_plain_equiv_s"] = llm.spec.st["plain_equiv_s"] = 1.2
-            time.sleep(1.2)
+            time.sleep(rollout_s)
             hook.rollout_done(step)
+            time.sleep(after_s)  # rewards, the update: the round's thread is paused
             m = hook.after_rollout(step, None, outs)
             if m["drafter/steps"] > 0:
                 ran.append(step)
@@ -712,3 +714,6 @@ def test_a_spot_rounds_cost_counts_what_it_took_from_the_rollout_beside_it(tiny_
                                                           + m["drafter/spot_overlap_s"])
     for contention in (0.1, 0.0):  # controls: a round every turn
         assert run(contention, 5)[0] == [2, 3, 4, 5], contention
+    # a round that outlives its rollout: counted up to the rollout's end, not through the update after it
+    _, (m,) = run(1.0, 2, eval_s=1.0, rollout_s=0.5, after_s=0.5)
+    assert 0.45 < m["drafter/spot_overlap_s"] < 0.8, m

@@ -189,8 +189,8 @@ class DrafterTrainConfig:
                 "model is on CPU and the processes' torch threads leave a core idle")
     spot_contention: float = _f(
         0.1, "the back-off's price of a spot round, beside what the step waited for it: this share of the seconds its "
-             "thread ran beside the rollout, which it slowed (drafter training on the second core of a 2-core CPU "
-             "slowed the rollout by 5-15%, docs/design.md §5)", ge=0, le=1)
+             "thread ran beside the rollout and its rewards, which it slowed (drafter training on the second core of a "
+             "2-core CPU slowed the rollout by 5-15%, docs/design.md §5)", ge=0, le=1)
 
 
 @dataclass

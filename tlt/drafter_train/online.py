@@ -29,12 +29,12 @@ the "idle" core slowed a 2-core CPU's rollout by 5-15%: docs/results/spot_conten
 runs on top of the step, and a publish reopens the bandit's closed buckets where its gain could pay, whose
 exploration and capture then cost the next rollout again. So the rounds must pay for themselves: a round's cost is
 what it added to its step (its training and the comparison beside it, or with spot what the step waited for it plus
-spot_contention times the seconds its thread ran beside the rollout, drafter/spot_overlap_s), and what the drafter
-is worth a rollout is the net saving of its SD steps there (spec_drafter_net_saved_s; not the n-gram arms', which
-need no drafter: in default runs on a 2-core CPU their saving in looping tails paid for rounds of a drafter whose own
-steps lost time) plus what the last round's gain g in held-out accept length would add
-to it (its SD steps, accepting 1 + g times as many tokens, would take 1 / (1 + g) of their time), less the seconds
-spent keeping hidden states for it. While the worth falls short of the cost, each round that gets a verdict skips the
+spot_contention times the seconds its thread ran beside the rollout and its rewards, drafter/spot_overlap_s), and
+what the drafter is worth a rollout is the net saving of its SD steps there (spec_drafter_net_saved_s; not the n-gram
+arms', which need no drafter: in default runs on a 2-core CPU their saving in looping tails paid for rounds of a
+drafter whose own steps lost time) plus what the last round's gain g in held-out accept length would add to it (its
+SD steps, accepting 1 + g times as many tokens, would take 1 / (1 + g) of their time), less the seconds spent keeping
+hidden states for it. While the worth falls short of the cost, each round that gets a verdict skips the
 next 1, then 2, 4, ... turns (at most backoff_max_steps in a row); a rollout where it does not ends the
 back-off from the next turn. A round's gain is measured where it will be used: on the next step's held-out
 responses (prompts no drafter trained on), the published drafter against the weights before that round, at the
