@@ -691,29 +691,6 @@ def test_drafter_arms_that_do_not_pay_retire_where_the_n_gram_arm_does():
         assert cpu.capturing(30) == (bs != 10)  # control: while a bucket's chains may run
 
 
-def test_what_switching_to_the_drafter_cost_counts_where_its_arms_may_retire():
-    """A chain that breaks even against plain decoding in its own steps (1.0x, below min_gain) beside an n-gram arm
-    that pays: its steps lost no time, so it stays; with what switching to it cost charged (`charge(switch=True)`:
-    a drafter catch-up over positions other steps decoded) it lost, and retires. The charge is the ledger's, not the
-    arm's window (its estimate stays 1.0)."""
-    ngram, chain = Arm("ngram4", "ngram", 4, 1, 4), Arm("chain1", "eagle_chain", 1, 1, 1)
-
-    def run(switch_s):
-        bandit = _one_bucket([OFF, ngram, chain], epsilon=0.0, min_samples=5, probe=0.0)
-        bandit.update(1, OFF, 1.0, 1.0)
-        bandit.update(1, ngram, 1.5, 1.0)
-        for _ in range(5):
-            bandit.update(1, chain, 1.0, 1.0)
-            if switch_s:
-                bandit.charge(1, switch_s, switch=True)
-        return bandit
-
-    assert run(0.0).retired_buckets() == []  # control: broke even, nothing lost
-    bandit = run(0.1)
-    assert bandit.retired_buckets() == ["bs>=1"] and bandit.estimate(0, "chain1") == pytest.approx(1.0)
-    assert bandit.ledger_seconds(0) == pytest.approx(0.5 - 0.5)  # the n-gram step's saving, less the switches'
-
-
 def test_retired_drafter_arms_return_for_a_drafter_that_could_pay_and_by_probe():
     """Retired chains (0.6x, the n-gram arm paying) stay retired for a drafter 10% better (0.66x), and return, capture
     with them, for one 80% better (1.19x beats "off") or one of unknown gain. And by themselves: chains at 0.7x for

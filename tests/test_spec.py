@@ -317,36 +317,6 @@ def test_ngram_index_catch_up_is_not_charged_to_the_arm(tiny_llama_dir, monkeypa
     assert llm.spec.ngram.index_time_s >= 0.05 * len(ngram)  # every step caught up on the tokens it added
 
 
-def test_a_drafter_catch_up_over_a_gap_is_charged_to_the_ledger_not_the_arm(sharp_llama, monkeypatch):
-    """A drafter step first catches its cache up on the positions decoded since the row's last drafter step (its
-    whole prompt at its first). What a drafter step accepted is the arm's own; the rest is what switching to the
-    drafter costs, not its steps' speed: the arm is given the step without that share of the catch-up, the bucket's
-    ledger is charged it (docs/design.md §6; a catch-up over 20 positions or more made 0.3 s longer here)."""
-    import time
-    model, drafter_dir = sharp_llama
-    llm = tlt.LLM(model, speculative_config=dict(method="eagle", bs_threshold=None, model=drafter_dir, epsilon=0.3))
-    catch_up, gaps = SpecDecoder._drafter_catch_up, []
-
-    def slow(self, seqs):
-        gaps.append(max(s.num_cached - self.dcached[s.seq_id] for s in seqs))
-        time.sleep(0.3 if gaps[-1] >= 20 else 0.0)
-        return catch_up(self, seqs)
-    monkeypatch.setattr(SpecDecoder, "_drafter_catch_up", slow)
-    bandit, updates, charges = llm.spec.bandit, [], []
-    update, charge = bandit.update, bandit.charge
-    monkeypatch.setattr(bandit, "update", lambda bs, arm, tokens, seconds, critical: (
-        updates.append((arm, seconds, gaps[-1] if gaps else 0)), update(bs, arm, tokens, seconds, critical)))
-    monkeypatch.setattr(bandit, "charge", lambda bs, seconds, switch=False: (
-        charges.append((seconds, switch)), charge(bs, seconds, switch)))
-    prompts = [list(range(3, 43)), list(range(50, 80))]  # 40 and 30 tokens: the first drafter step's gap
-    llm.generate(prompts, tlt.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    drafted = [(s, gap) for arm, s, gap in updates if arm.method.startswith("eagle")]
-    assert drafted[0][1] >= 30, drafted  # the first: the rows' whole prompts
-    assert all(s < 0.3 for s, _ in drafted), drafted  # no step's 0.3 s went to its arm
-    slow_steps = sum(gap >= 20 for _, gap in drafted)
-    assert sum(s for s, switch in charges if switch) >= 0.3 * slow_steps  # it went to the ledger
-
-
 def test_the_critical_row_is_given_to_the_bandit_only_when_no_request_waits(tiny_llama_dir, monkeypatch):
     """Three requests, two slots: while the third waits, steps are valued by all their tokens (critical None); once
     it runs, by what the row with the most tokens left to its max_tokens gained (a row with 30 left, beside rows

@@ -6,10 +6,9 @@ In a bucket: untried arms first (in table order); then with probability epsilon 
 
 Where this departs from the paper's BEG-MAB (median per-step reward, uniform exploration), and why:
 - Estimate = throughput over the arm's last `window` steps as a ratio of sums, not the median of per-step
-  rewards. The median ignores the rare expensive steps (a deep tree's spike) and the rare long accepts, so it
-  ranks arms by their typical step rather than by the tokens per second they actually deliver; the ratio of sums is
-  what a rollout's wall time depends on. (A drafter catch-up over a stretch of plain decoding is what switching to
-  the drafter costs, not the arm's speed: the caller charges it to the ledger, tlt.speculative.spec_decoder.)
+  rewards. The median ignores the rare expensive steps (a drafter catch-up after a stretch of plain decoding, a
+  deep tree's spike) and the rare long accepts, so it ranks arms by their typical step rather than by the tokens
+  per second they actually deliver; the ratio of sums is what a rollout's wall time depends on.
 - Throughput is measured against plain decoding at the step's own batch size: a step at batch size bs that emits
   `tokens` in `seconds` counts tokens / bs * t_off(bs) "plain seconds", t_off(bs) being the lower median of the "off"
   arm's last PRICE_STEPS (8) steps at that batch size in its window (at the nearest batch size it ran in the bucket
@@ -64,9 +63,9 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   a steady share of the steps forever; a new drafter restarts the count, since that is when arms change.
 - A bucket closes when SD has not paid there (docs/design.md §6, "closing"): every arm tried, "off" the greedy
   choice, and the bucket's ledger negative: the seconds its SD steps saved against plain decoding, minus the seconds
-  spent there keeping hidden states for the drafter and switching to it (`charge`), over the last `window` steps. A
-  closed bucket decodes plainly without exploring, and its steps keep no hidden states (`capturing`). A new drafter
-  (`forget`) reopens every bucket, or, given its gain in accept length over the old one, only the closed buckets where a
+  spent there keeping hidden states for the drafter (`charge`), over the last `window` steps. A closed bucket
+  decodes plainly without exploring, and its steps keep no hidden states (`capturing`). A new drafter (`forget`)
+  reopens every bucket, or, given its gain in accept length over the old one, only the closed buckets where a
   drafter arm that much faster would beat "off": on a 2-core CPU a depth-1 chain step costs 1.5-1.7x a plain one
   at bs 2-16, so a 10% better drafter cannot pay there, and reopening cost the next rollout its exploration
   again. Without closing, exploration and the rechecks of dominated arms cost a steady share of SD steps that
@@ -272,8 +271,7 @@ class StrategyBandit:
         self.since_forget = [0 for _ in self.arms]     # choices per bucket since the last forget (decays epsilon)
         self.since_off = [0 for _ in self.arms]        # choices per bucket since "off" was chosen there (refresh)
         # per bucket, the ledger of the last `window` steps: the tokens and seconds of its SD steps ("off" steps
-        # add none) plus the seconds charged for keeping hidden states and switching to the drafter; see
-        # ledger_seconds
+        # add none) plus the seconds charged for keeping hidden states; see ledger_seconds
         self.ledger = [_Window(window) for _ in self.arms]
         self.closed = [False for _ in self.arms]
         self.closed_gain = [1.0 for _ in self.arms]  # per bucket: accept-length growth published since it opened
@@ -290,14 +288,12 @@ class StrategyBandit:
         self._has_ngram = [any(a.method == "ngram" for a in bucket) for bucket in self.arms]
         self._has_drafter = [any(a.method in DRAFTER_METHODS for a in bucket) for bucket in self.arms]
         # per bucket: whether its learned-drafter arms are retired (they did not pay there; `_update_retired`),
-        # the accept-length growth published since, the drafter steps recorded and the seconds switching to them cost
-        # (`charge`) since they (re)opened, and the steps and seconds decoded there since they retired with the
-        # seconds at which they are probed again
+        # the accept-length growth published since, the drafter steps recorded since they (re)opened, and the steps
+        # and seconds decoded there since they retired with the seconds at which they are probed again
         self.retired = [False for _ in self.arms]
         self._undrafted = [[a for a in bucket if a.method not in DRAFTER_METHODS] for bucket in self.arms]
         self.retired_gain = [1.0 for _ in self.arms]
         self.drafter_since_open = [0 for _ in self.arms]
-        self.switch_s = [0.0 for _ in self.arms]
         self.retired_steps = [0 for _ in self.arms]
         self.retired_s = [0.0 for _ in self.arms]
         self.retired_probe_after = [math.inf for _ in self.arms]
@@ -392,14 +388,10 @@ class StrategyBandit:
         self._update_closed(b)
         self._update_retired(b)
 
-    def charge(self, batch_size: int, seconds: float, switch: bool = False) -> None:
-        """Book `seconds` spent at `batch_size` against its bucket's ledger: on the machinery SD needs on every step
-        (keeping the target's hidden states for the drafter), or with `switch`, on switching to the drafter (a drafter
-        step's catch-up over positions other steps decoded, tlt.speculative.spec_decoder), which counts against its
-        arms where they may retire, not in their windows."""
+    def charge(self, batch_size: int, seconds: float) -> None:
+        """Book `seconds` spent at `batch_size` on the machinery SD needs on every step (keeping the target's
+        hidden states for the drafter) against its bucket's ledger."""
         b = self.bucket(batch_size)
-        if switch:
-            self.switch_s[b] += seconds
         if self.ledger[b]:
             self.ledger[b].add_seconds(seconds)
         else:
@@ -461,8 +453,8 @@ class StrategyBandit:
 
     def _retire_if_lost(self, b: int) -> None:
         """Retire bucket b's learned-drafter arms if every one has `min_samples` steps or is dominated
-        (`_dominated`: rarely explored), none beats "off" by min_gain, and their steps together, with what switching
-        to them cost (`charge`), were slower than plain decoding of their tokens."""
+        (`_dominated`: rarely explored), none beats "off" by min_gain, and their steps together were slower than
+        plain decoding of their tokens."""
         off = self.off[b]
         drafters = [a for a in self.arms[b] if a.method in DRAFTER_METHODS]
         if off is None or not drafters:
@@ -473,7 +465,7 @@ class StrategyBandit:
             return  # not enough evidence yet
         if max(self.estimate(b, a.name) for a in drafters) >= (1 + self.min_gain) * self.estimate(b, off.name):
             return  # one of them pays
-        lost = sum(self.steps[b][a.name].seconds - self.steps[b][a.name].plain for a in drafters) + self.switch_s[b]
+        lost = sum(self.steps[b][a.name].seconds - self.steps[b][a.name].plain for a in drafters)
         if lost > 0:
             self.retired[b] = True
             self.retired_steps[b], self.retired_s[b] = 0, 0.0
@@ -543,7 +535,6 @@ class StrategyBandit:
         self.sd_since_open[b] = 0
         if any(m in DRAFTER_METHODS for m in methods):
             self.retired[b], self.retired_gain[b], self.drafter_since_open[b] = False, 1.0, 0
-            self.switch_s[b] = 0.0
             self.retired_steps[b], self.retired_s[b], self.retired_probe_after[b] = 0, 0.0, math.inf
         self.ledger[b].keep_last(0, self._prices[b])
         for a in self.arms[b]:

@@ -64,8 +64,6 @@ class SpecDecoder:
         self.low_steps = 0
         self._speculating = False  # inside an SD step, whose measured time already includes its capture
         self._shadow_turn = 0      # the row a closed bucket's plain step asks the n-gram drafter about
-        self._gap_s = 0.0          # this step's drafter catch-up over positions other steps decoded (see step)
-        self.drafted_to: dict[int, int] = {}  # seq_id -> its cached positions after its last drafter step
         self.drafter_version = 0
         self.reset_stats()
         engine.attach_speculator(self, slot_caches=(self.dcache,) if self.dcache is not None else (),
@@ -196,7 +194,6 @@ class SpecDecoder:
             self.ngram.finish(s.seq_id)
             self.hist.pop(s.seq_id, None)
             self.dcached.pop(s.seq_id, None)
-            self.drafted_to.pop(s.seq_id, None)
 
     def on_tokens(self, seq: Sequence, new_tokens: list[int]) -> None:
         self.ngram.update(seq.seq_id, new_tokens)
@@ -220,13 +217,11 @@ class SpecDecoder:
         self.bandit.forget(gain=gain)  # the learned-drafter arms' rewards describe the old weights: a short prior now
         for k in self.dcached:  # the drafter cache was computed by the old weights: rebuild it on next use
             self.dcached[k] = 0
-        self.drafted_to.clear()  # and that rebuild is what switching to the new weights costs
 
     # ---- one speculative step -------------------------------------------------------------------------------
     def step(self, seqs: list[Sequence]) -> list[Sequence]:
         t0 = time.perf_counter()
         captures, indexing = self.engine.num_graph_captures, self.ngram.index_time_s
-        self._gap_s = 0.0
         arm = self.bandit.select(len(seqs))
         # an SD step's worth with no request waiting: what it gives the critical row (a plain step is worth itself)
         critical = None if arm.method == "off" or self.engine.requests_waiting else _critical_rows(seqs)
@@ -267,11 +262,7 @@ class SpecDecoder:
                 if arm.method in DRAFTER_METHODS:
                     self.st["drafter_step_time_s"] += seconds
                     self.st["drafter_plain_equiv_s"] += plain
-            # what switching to the drafter cost (_speculate), not its steps' speed: charged to the bucket's ledger
-            # (after the step's own entry), not to the arm's window (docs/design.md §6)
-            self.bandit.update(len(seqs), arm, emitted, seconds - self._gap_s, critical)
-            if self._gap_s:
-                self.bandit.charge(len(seqs), self._gap_s, switch=True)
+            self.bandit.update(len(seqs), arm, emitted, seconds, critical)
         return done
 
     def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str) -> tuple[list[Sequence], int]:
@@ -290,16 +281,8 @@ class SpecDecoder:
             mask, depths = tree_layout(parents, valid)
         else:
             t_catchup = time.perf_counter()
-            # positions to catch up (rows are padded to the longest), and of those, what a row's last drafter step
-            # accepted; the rest were decoded by other steps since (all of them at a row's first drafter step, or
-            # after a publish): their share of the catch-up is what switching to the drafter cost (its length taken
-            # as its cost; on a GPU the time is not waited for, so the split hardly moves anything)
-            T = max(s.num_cached - self.dcached[s.seq_id] for s in seqs)
-            own = max(max(self.drafted_to.get(s.seq_id, 0) - self.dcached[s.seq_id], 0) for s in seqs)
             root_pred = self._drafter_catch_up(seqs)
-            dt = time.perf_counter() - t_catchup
-            self.st["catchup_time_s"] += dt
-            self._gap_s = dt * (T - min(own, T)) / max(T, 1)
+            self.st["catchup_time_s"] += time.perf_counter() - t_catchup
             drafted = self._draft(seqs, arm, roots, root_pred, n, temp, gens)
             tokens, parents, q = drafted.tree.tokens, drafted.tree.parents, drafted.tree.q
             mask, depths = drafted.mask, drafted.depths  # a drafted tree has every node valid
@@ -318,8 +301,6 @@ class SpecDecoder:
             lps = emitted_logprobs(logits, temp, result)
         kept = self._kept_states(hidden, result.paths)
         self._commit(seqs, result.paths, kept)
-        if arm.method in DRAFTER_METHODS:
-            self.drafted_to.update((s.seq_id, s.num_cached) for s in seqs)
         done = eng.append_tokens(seqs, result.emitted_ids, lps, kept)
         self._record(bucket, result, seqs, arm)
         self.st["draft_time_s"] += t1 - t0
