@@ -120,7 +120,7 @@ class OnlineDrafterHook(DrafterHook):
         self._paused = threading.Event()   # set by the spot round while it waits for _may_run
         self._yield_s = 0.0                 # what rollout_done waited for the round's step in flight
         self._spot_start = 0.0              # when the spot round's thread started
-        self._overlap_s: float | None = None  # how long it ran beside the rollout (set by rollout_done)
+        self._rollout_end: float | None = None  # when the rollout it ran beside ended (rollout_done)
         self.backoff_gap = 0   # turns skipped after the latest round that did not pay for itself
         self.skip_left = 0     # of those, still to skip
         self.round_cost = 0.0  # seconds the latest round added to its step (the back-off's price of a round)
@@ -153,7 +153,7 @@ class OnlineDrafterHook(DrafterHook):
                     self._fresh = None
                     result["end"] = time.perf_counter()
             thread = threading.Thread(target=work, name="tlt-spot-drafter", daemon=True)
-            self._spot_start, self._overlap_s = time.perf_counter(), None
+            self._spot_start, self._rollout_end = time.perf_counter(), None
             thread.start()
             self._pending = (thread, result)
 
@@ -168,7 +168,7 @@ class OnlineDrafterHook(DrafterHook):
             while thread.is_alive() and not self._paused.wait(0.005):
                 pass
         self._yield_s = time.perf_counter() - t0
-        self._overlap_s = self._beside_rollout(t0)
+        self._rollout_end = t0
 
     def after_rollout(self, step: int, rollout: Any, outputs: list[RequestOutput]) -> dict[str, float]:
         metrics = {"drafter/steps": 0.0, "drafter/train_time_s": 0.0, "drafter/published": 0.0,
@@ -181,8 +181,10 @@ class OnlineDrafterHook(DrafterHook):
             thread.join()
             metrics["drafter/spot_wait_s"] = time.perf_counter() - t0  # what was left after the rollout
             metrics["drafter/spot_yield_s"] = self._yield_s  # the step in flight when the rollout ended
-            overlap = self._overlap_s if self._overlap_s is not None else self._beside_rollout(t0)
-            metrics["drafter/spot_overlap_s"] = overlap  # how long it ran beside the rollout
+            # how long it ran beside the rollout (its thread set "end" as it finished)
+            rollout_end = self._rollout_end if self._rollout_end is not None else t0
+            overlap = max(min(result["end"], rollout_end) - self._spot_start, 0.0)
+            metrics["drafter/spot_overlap_s"] = overlap
             self._pending = None
             if "error" in result:
                 raise result["error"]
@@ -209,11 +211,6 @@ class OnlineDrafterHook(DrafterHook):
         metrics |= self.last_train  # loss/acc of the latest round, so the curves have a value every step
         metrics.update({"drafter/version": float(self.version), "drafter/buffer_tokens": float(self.buffer.num_tokens)})
         return metrics
-
-    def _beside_rollout(self, rollout_end: float) -> float:
-        """Seconds the spot round's thread ran beside the rollout that ended at `rollout_end`."""
-        end = self._pending[1].get("end", rollout_end) if self._pending is not None else self._spot_start
-        return max(min(end, rollout_end) - self._spot_start, 0.0)
 
     def add_outputs(self, step: int, outputs: list[RequestOutput]) -> None:
         """Every response's hidden states: hidden[i] produced response token i, i.e. is h at position P-1+i."""
