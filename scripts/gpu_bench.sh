@@ -11,6 +11,8 @@
 #                                                  # T_DECODE, T_SPEC, T_ROLLOUT, T_E2E, T_ATTN)
 #   E2E_STEPS=4 T_E2E=200 bash scripts/gpu_bench.sh   # RL steps of the e2e stage (default 2; steps after the
 #                                                  # first show what a step costs once its graphs are captured)
+#   DRAFTER_ARGS="--num-prompts 256 --steps 800" T_DRAFTER=110 bash scripts/gpu_bench.sh   # the warm-up drafter's
+#                                                  # `tlt train-drafter` options (a stronger drafter, longer)
 #
 # Model: $TLT_BENCH_MODEL (an HF directory, e.g. a converted SmolLM2-135M-Instruct brought along) if set, else a
 # random model of SmolLM2-135M's exact shape built here from its config (tlt.bench.random_model; no download).
@@ -57,7 +59,7 @@ else                      # sized so that the timeouts below (plus 5 s grace eac
     T_TESTS=${T_TESTS:-90}; T_MODEL=${T_MODEL:-40}; T_DRAFTER=${T_DRAFTER:-70}; T_DECODE=${T_DECODE:-55}
     T_SPEC=${T_SPEC:-70}; T_ROLLOUT=${T_ROLLOUT:-80}; T_E2E=${T_E2E:-100}; T_ATTN=${T_ATTN:-45}
     ATTN_ARGS="--contexts 512,2048,8192 --batch-sizes 1,16,64 --steps 16 --repeats 2 --layouts spread"
-    DRAFTER_ARGS="--num-prompts 64 --n 2 --max-tokens 256 --steps 200 --batch-tokens 4096 --window-len 512"
+    DRAFTER_ARGS=${DRAFTER_ARGS:-"--num-prompts 64 --n 2 --max-tokens 256 --steps 200 --batch-tokens 4096 --window-len 512"}
     DECODE_ARGS="--batch-sizes 1,16,64,256 --max-tokens 128 --repeats 2 --no-hf"
     SPEC_ARGS="--batch-sizes 1,8,32 --max-tokens 128 --repeats 2 --skip-hf"
     ROLLOUT_ARGS="--prompts 32 --n 8 --max-tokens 512 --modes off,always,adaptive"
