@@ -774,3 +774,50 @@ def test_a_bucket_whose_retired_drafter_arms_have_few_steps_still_closes():
         if step == 499:
             assert bandit.retired == [True] and len(bandit.steps[0]["chain1"]) < 5 and not bandit.closed[0]
     assert bandit.closed_buckets() == ["bs>=1"]
+
+
+def test_an_open_bucket_runs_its_n_gram_arm_while_the_critical_rows_loop():
+    """The n-gram arm lost on average here (0.62 of a plain step's worth), so "off" is the greedy choice. When the
+    n-gram drafter, asked before each plain step, guessed the critical rows' next tokens `follow` (4) times in a row,
+    the bucket runs the n-gram arm, and goes on while those rows gain a drafted token a step (critical >= 2); a step
+    where they gain none, or one with a request waiting (no critical row), ends it, and so does a miss among the
+    guesses. Controls: 3 hits, or 3 hits, a miss and 3 more, keep "off"; follow=0 never follows and asks nothing; a
+    closed bucket asks nothing (its own shadow rule brings its probe nearer)."""
+    ngram = Arm("ngram3", "ngram", 3, 1, 3)
+
+    def fresh(follow=4, close=False):
+        bandit = _one_bucket([OFF, ngram], epsilon=0.0, follow=follow, close=close)
+        for _ in range(5):
+            bandit.update(1, OFF, 1.0, 1.0, 1.0)
+            bandit.update(1, ngram, 1.0, 1.6, 1.0)    # 0.62x of plain decoding: lost
+        assert bandit.select(1) is OFF and bandit.watching(1) is (bool(follow) and not close)
+        return bandit
+
+    bandit = fresh()
+    for _ in range(3):
+        bandit.loop_shadow(1, True)
+    assert bandit.select(1) is OFF                   # 3 hits: not yet
+    bandit.loop_shadow(1, True)
+    assert bandit.select(1) is ngram                 # the 4th: the critical rows loop
+    bandit.update(1, ngram, 4.0, 1.25, 4.0)          # they gained 3 drafted tokens: go on
+    assert bandit.select(1) is ngram
+    bandit.update(1, ngram, 1.0, 1.25, 1.0)          # none: the loop ended
+    assert bandit.select(1) is OFF
+    for _ in range(4):
+        bandit.loop_shadow(1, True)
+    assert bandit.select(1) is ngram
+    bandit.update(1, ngram, 1.0, 1.6, None)          # a request waits: no critical row to follow
+    assert bandit.select(1) is OFF
+
+    bandit = fresh()
+    for hit in [True] * 3 + [False] + [True] * 3:
+        bandit.loop_shadow(1, hit)
+    assert bandit.select(1) is OFF                   # a miss starts the count again
+
+    bandit = fresh(follow=0)
+    for _ in range(10):
+        bandit.loop_shadow(1, True)
+    assert bandit.select(1) is OFF
+
+    bandit = fresh(close=True)                       # the n-gram arm lost: the bucket closes
+    assert bandit.closed_buckets() == ["bs>=1"] and not bandit.watching(1) and bandit.shadowing(1)

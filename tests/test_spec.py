@@ -430,6 +430,43 @@ def test_a_closed_bucket_asks_the_n_gram_drafter_about_each_plain_step(sharp_lla
     assert run(closed=False)[2] == []  # (its n-gram arms still ask the drafter for their drafts)
 
 
+def test_an_open_bucket_asks_the_n_gram_drafter_about_the_critical_rows(sharp_llama):
+    """With no request waiting, every plain step of an open bucket asks the n-gram drafter for the next token of each
+    critical row (the rows with the most left to their limit: the rollout waits for them) and tells the bandit
+    whether all of them drew it (StrategyBandit.loop_shadow: `follow_loops` hits in a row run the n-gram arm). Two
+    greedy requests of 40 and 12 tokens: the longer one is the critical row at every step, so only its tokens are
+    asked about, each answer is what a fresh NgramDrafter replaying it proposes, and each hit is whether its next
+    token is the guess. The outputs repeat themselves, so some are hits. Control: follow_loops=0 asks nothing."""
+    from tlt.speculative.bandit import OFF as OFF_ARM
+    from tlt.speculative.ngram import NgramDrafter
+    model, drafter_dir = sharp_llama
+    prompts = [[3, 7, 1, 3, 7, 1, 3, 7], [5, 2, 5, 2, 5, 2]]
+    params = [tlt.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 12)]
+
+    def run(follow):
+        llm = tlt.LLM(model, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=None,
+                                                     follow_loops=follow))
+        spec, asked, hits = llm.spec, [], []
+        spec.bandit.close = False  # stays open (the rules that close: tests/test_bandit.py)
+        spec.bandit.select = lambda bs: OFF_ARM  # plain steps only: every one asks
+        propose = spec.ngram.propose
+        spec.ngram.propose = lambda seq_id, k=None: asked.append(
+            (list(spec.ngram.seqs[seq_id].tokens), propose(seq_id, k))) or asked[-1][1]
+        spec.bandit.loop_shadow = lambda bs, hit: hits.append(hit)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], asked, hits
+
+    outputs, asked, hits = run(follow=4)
+    assert len(asked) == len(hits) == 39 and any(hits) and not all(hits)  # every decode step after the prefill
+    full = prompts[0] + outputs[0]
+    for (tokens, guess), hit in zip(asked, hits):
+        assert tokens == full[:len(tokens)]  # the longer row's, only
+        replay = NgramDrafter(max_n=SpecConfig().ngram_max_n, min_n=SpecConfig().ngram_min_n)
+        replay.register(0, 0, tuple(prompts[0]), prompts[0])
+        replay.update(0, tokens[len(prompts[0]):])
+        assert guess == replay.propose(0, 1) and hit == (guess == full[len(tokens):len(tokens) + 1])
+    assert run(follow=0)[1:] == ([], [])
+
+
 def test_above_the_gate_the_capture_follows_whether_any_bucket_is_open(sharp_llama):
     """Above bs_threshold SD never runs, so no bucket owns those steps: they keep hidden states (the context the
     tail's drafts read, and drafter data) while any bucket is open, none once all are closed, and their capture

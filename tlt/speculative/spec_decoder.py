@@ -47,7 +47,8 @@ class SpecDecoder:
         self.ngram = NgramDrafter(max_n=cfg.ngram_max_n, min_n=cfg.ngram_min_n)
         bounds, arms = cfg.arm_table(has_drafter=drafter is not None, device_type=engine.device.type)
         self.bandit = StrategyBandit(bounds, arms, epsilon=cfg.epsilon, window=cfg.window, seed=cfg.seed,
-                                     close=cfg.close_buckets, probe=cfg.probe_closed)
+                                     close=cfg.close_buckets, probe=cfg.probe_closed,
+                                     follow=cfg.follow_loops)
         self.dcache = KVCache(self.model.cfg, engine.num_slots, engine.dtype, engine.device, num_layers=1) \
             if drafter else None
         # the drafter's per-depth forwards through CUDA graphs where the engine graphs its own (docs/design.md §9)
@@ -232,10 +233,17 @@ class SpecDecoder:
         if arm.method == "off":
             # a closed bucket asks the n-gram drafter for one row's next token (rows in turn): a stretch where it
             # would hold (a repetitive tail) brings the bucket's next probe nearer (StrategyBandit.shadow)
-            shadow = None
+            # an open one, with no request waiting, asks it for the critical rows' (the rows the rollout waits for):
+            # where they all loop, n-gram drafts pay whatever the arm's window says (StrategyBandit.loop_shadow)
+            shadow = loop = None
             if self.bandit.shadowing(len(seqs)):
                 self._shadow_turn = row = (self._shadow_turn + 1) % len(seqs)
                 shadow = row, self.ngram.propose(seqs[row].seq_id, 1)
+            elif self.bandit.watching(len(seqs)):
+                if self.engine.requests_waiting:  # a finished row's slot is refilled: no row the rollout waits for
+                    self.bandit.loop_shadow(len(seqs), False)
+                else:
+                    loop = [(row, self.ngram.propose(seqs[row].seq_id, 1)) for row, _ in _critical_rows(seqs)]
             logits, hidden = self.engine.decode_forward(seqs)
             self.on_plain_decode(seqs, hidden)
             done = self.engine.sample_and_append(seqs, logits, hidden)
@@ -243,6 +251,8 @@ class SpecDecoder:
             if shadow is not None:
                 row, guess = shadow
                 self.bandit.shadow(len(seqs), guess[:1] == seqs[row].output_ids[-1:])
+            if loop is not None:
+                self.bandit.loop_shadow(len(seqs), all(g[:1] == seqs[r].output_ids[-1:] for r, g in loop))
         else:
             self._speculating = True
             try:
