@@ -807,7 +807,7 @@ def test_an_open_bucket_runs_its_n_gram_arm_while_the_critical_rows_loop():
         bandit.loop_shadow(1, True)
     assert bandit.select(1) is ngram
     bandit.update(1, ngram, 1.0, 1.6, None)          # a request waits: no critical row to follow
-    assert bandit.select(1) is OFF
+    assert bandit.select(1) is OFF and bandit.loop_steps == 3
 
     bandit = fresh()
     for hit in [True] * 3 + [False] + [True] * 3:

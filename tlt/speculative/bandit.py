@@ -302,6 +302,7 @@ class StrategyBandit:
         # at `follow`, the bucket runs its n-gram arm (`select`): the rows the rollout waits for loop
         self._ngram_arm = [next((a for a in bucket if a.method == "ngram"), None) for bucket in self.arms]
         self.loop_run = [0 for _ in self.arms]
+        self.loop_steps = 0                             # n-gram steps chosen that way, all buckets
         # per bucket: whether its learned-drafter arms are retired (they did not pay there; `_update_retired`),
         # the accept-length growth published since, the drafter steps recorded since they (re)opened, and the steps
         # and seconds decoded there since they retired with the seconds at which they are probed again
@@ -326,6 +327,7 @@ class StrategyBandit:
             arm = untried[0]
         elif self.follow and self.loop_run[b] >= self.follow and self._ngram_arm[b] is not None:
             arm = self._ngram_arm[b]  # the critical rows loop: n-gram drafts hold there, whatever its window says
+            self.loop_steps += 1
         elif self.rng.random() < self.epsilon * self.window / (self.window + self.since_forget[b]):
             best = self._best(b)
             live = [a for a in arms if not self._dominated(b, a.name, best)]

@@ -90,7 +90,7 @@ class SpecDecoder:
                    "catchup_time_s": 0.0, "hist_time_s": 0.0, "sd_step_time_s": 0.0, "plain_equiv_s": 0.0,
                    "drafter_step_time_s": 0.0, "drafter_plain_equiv_s": 0.0,
                    "bulk_time_s": 0.0, "tail_time_s": 0.0}
-        self._probes_at_reset = self.bandit.probes
+        self._probes_at_reset, self._loop_steps_at_reset = self.bandit.probes, self.bandit.loop_steps
         self._gate_on = False
 
     def stats(self) -> dict:
@@ -124,6 +124,8 @@ class SpecDecoder:
             # probes since the stats were reset (probe_closed): closed buckets opened again, retired drafter arms
             # tried again
             "spec_probes": self.bandit.probes - self._probes_at_reset,
+            # n-gram steps run because the critical rows looped (follow_loops)
+            "spec_loop_steps": self.bandit.loop_steps - self._loop_steps_at_reset,
         }
 
     def record_decode_time(self, seconds: float) -> None:
