@@ -778,7 +778,7 @@ def test_a_bucket_whose_retired_drafter_arms_have_few_steps_still_closes():
 
 def test_an_open_bucket_runs_its_n_gram_arm_while_the_critical_rows_loop():
     """The n-gram arm lost on average here (0.62 of a plain step's worth), so "off" is the greedy choice. When the
-    n-gram drafter, asked before each plain step, guessed the critical rows' next tokens `follow` (4) times in a row,
+    n-gram drafter, asked before each plain step, guessed a critical row's next token `follow` (4) times in a row,
     the bucket runs the n-gram arm, and goes on while those rows gain a drafted token a step (critical >= 2); a step
     where they gain none, or one with a request waiting (no critical row), ends it, and so does a miss among the
     guesses. Controls: 3 hits, or 3 hits, a miss and 3 more, keep "off"; follow=0 never follows and asks nothing; a

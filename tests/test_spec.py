@@ -431,9 +431,9 @@ def test_a_closed_bucket_asks_the_n_gram_drafter_about_each_plain_step(sharp_lla
 
 
 def test_an_open_bucket_asks_the_n_gram_drafter_about_the_critical_rows(sharp_llama):
-    """With no request waiting, every plain step of an open bucket asks the n-gram drafter for the next token of each
-    critical row (the rows with the most left to their limit: the rollout waits for them) and tells the bandit
-    whether all of them drew it (StrategyBandit.loop_shadow: `follow_loops` hits in a row run the n-gram arm). Two
+    """With no request waiting, every plain step of an open bucket asks the n-gram drafter for the next token of a
+    critical row (the rows with the most left to their limit: the rollout waits for them; in turn) and tells the
+    bandit whether it drew it (StrategyBandit.loop_shadow: `follow_loops` hits in a row run the n-gram arm). Two
     greedy requests of 40 and 12 tokens: the longer one is the critical row at every step, so only its tokens are
     asked about, each answer is what a fresh NgramDrafter replaying it proposes, and each hit is whether its next
     token is the guess. The outputs repeat themselves, so some are hits. Control: follow_loops=0 asks nothing."""

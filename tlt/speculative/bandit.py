@@ -93,8 +93,9 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   drafter whose gain could pay (`forget`) or by their own probe, once the bucket decoded 1 / `probe` times the seconds
   they lost (at least SHADOW steps).
 - An open bucket follows a loop (`follow`, 4): where the n-gram drafter, asked before each plain step with no request
-  waiting, guessed the next token of every critical row `follow` times in a row (`loop_shadow`), the bucket runs its
-  n-gram arm whatever its window says, for as long as those rows gain a drafted token a step. In a looping tail its
+  waiting for the next token of a critical row (one a step, in turn), guessed it `follow` times in a row
+  (`loop_shadow`), the bucket runs its n-gram arm whatever its window says, for as long as the critical rows gain a
+  drafted token a step. In a looping tail its
   drafts hold 3-4.6 tokens a step while its window's average, over the rest of the rollout, says it loses: in one of
   three default runs on an AVX2 CPU exploration went elsewhere and the loop that saved 1.1-2.0 s in the other two was
   decoded plainly (docs/design.md §6).
@@ -297,9 +298,9 @@ class StrategyBandit:
         self.shadow_hits = [deque(maxlen=SHADOW) for _ in self.arms]
         self._has_ngram = [any(a.method == "ngram" for a in bucket) for bucket in self.arms]
         self._has_drafter = [any(a.method in DRAFTER_METHODS for a in bucket) for bucket in self.arms]
-        # per open bucket: its first n-gram arm, and how many times in a row the critical rows' next tokens were
-        # the n-gram drafter's guesses (a plain step, `loop_shadow`) or they gained a drafted token (an n-gram step);
-        # at `follow`, the bucket runs its n-gram arm (`select`): the rows the rollout waits for loop
+        # per open bucket: its first n-gram arm, and how many times in a row a critical row's next token was the
+        # n-gram drafter's guess (a plain step, `loop_shadow`) or the critical rows gained a drafted token (an n-gram
+        # step); at `follow`, the bucket runs its n-gram arm (`select`): the rows the rollout waits for loop
         self._ngram_arm = [next((a for a in bucket if a.method == "ngram"), None) for bucket in self.arms]
         self.loop_run = [0 for _ in self.arms]
         self.loop_steps = 0                             # n-gram steps chosen that way, all buckets
@@ -500,12 +501,12 @@ class StrategyBandit:
 
     def watching(self, batch_size: int) -> bool:
         """Whether a plain step at this batch size, with no request waiting, should ask the n-gram drafter for the
-        critical rows' next tokens (`loop_shadow`): its bucket is open and has an n-gram arm, and `follow` is on."""
+        next token of a critical row (`loop_shadow`): its bucket is open and has an n-gram arm, and `follow` is on."""
         b = self.bucket(batch_size)
         return bool(self.follow) and not self.closed[b] and self._ngram_arm[b] is not None
 
     def loop_shadow(self, batch_size: int, hit: bool) -> None:
-        """Record whether the n-gram drafter, asked before a plain step of an open bucket, proposed the token each
+        """Record whether the n-gram drafter, asked before a plain step of an open bucket, proposed the token a
         critical row then drew (False where a request waits: no critical row); `follow` hits in a row run the n-gram
         arm."""
         b = self.bucket(batch_size)

@@ -45,10 +45,11 @@ class SpecConfig:
                                        "drafter reopens it (docs/design.md §6)",
                                  ge=0, le=0.5)
     follow_loops: int = option(4, "an open batch-size bucket runs its n-gram arm once the n-gram drafter, asked at "
-                                  "each plain step with no request waiting, has guessed the next token of every "
-                                  "critical row (the rows the rollout waits for) this many times in a row, and goes "
-                                  "on while they gain a drafted token a step: looping rows, where n-gram drafts hold "
-                                  "whatever the arm's average says. 0 = off (docs/design.md §6)", ge=0)
+                                  "each plain step with no request waiting for the next token of a critical row (the "
+                                  "rows the rollout waits for; one a step, in turn), has guessed it this many times "
+                                  "in a row, and goes on while they gain a drafted token a step: looping rows, where "
+                                  "n-gram drafts hold whatever the arm's average says. 0 = off (docs/design.md §6)",
+                               ge=0)
     acceptance: Literal["invariant", "rejection"] = option(
         "invariant", "invariant = deterministic drafts, the target's own draw accepted when a draft holds it (a "
                      "seeded request samples the same tokens with SD on or off); rejection = chain drafts sampled "

@@ -65,6 +65,7 @@ class SpecDecoder:
         self.low_steps = 0
         self._speculating = False  # inside an SD step, whose measured time already includes its capture
         self._shadow_turn = 0      # the row a closed bucket's plain step asks the n-gram drafter about
+        self._loop_turn = 0        # the critical row an open bucket's plain step asks it about
         self.drafter_version = 0
         self.reset_stats()
         engine.attach_speculator(self, slot_caches=(self.dcache,) if self.dcache is not None else (),
@@ -235,8 +236,9 @@ class SpecDecoder:
         if arm.method == "off":
             # a closed bucket asks the n-gram drafter for one row's next token (rows in turn): a stretch where it
             # would hold (a repetitive tail) brings the bucket's next probe nearer (StrategyBandit.shadow)
-            # an open one, with no request waiting, asks it for the critical rows' (the rows the rollout waits for):
-            # where they all loop, n-gram drafts pay whatever the arm's window says (StrategyBandit.loop_shadow)
+            # an open one, with no request waiting, asks it about one of the critical rows (the rows the rollout
+            # waits for; in turn): where they loop, n-gram drafts pay whatever the arm's window says
+            # (StrategyBandit.loop_shadow). One row a step, as a GPU's plain step is a few milliseconds
             shadow = loop = None
             if self.bandit.shadowing(len(seqs)):
                 self._shadow_turn = row = (self._shadow_turn + 1) % len(seqs)
@@ -245,7 +247,10 @@ class SpecDecoder:
                 if self.engine.requests_waiting:  # a finished row's slot is refilled: no row the rollout waits for
                     self.bandit.loop_shadow(len(seqs), False)
                 else:
-                    loop = [(row, self.ngram.propose(seqs[row].seq_id, 1)) for row, _ in _critical_rows(seqs)]
+                    critical_rows = _critical_rows(seqs)
+                    self._loop_turn = (self._loop_turn + 1) % len(critical_rows)
+                    row = critical_rows[self._loop_turn][0]
+                    loop = row, self.ngram.propose(seqs[row].seq_id, 1)
             logits, hidden = self.engine.decode_forward(seqs)
             self.on_plain_decode(seqs, hidden)
             done = self.engine.sample_and_append(seqs, logits, hidden)
@@ -254,7 +259,8 @@ class SpecDecoder:
                 row, guess = shadow
                 self.bandit.shadow(len(seqs), guess[:1] == seqs[row].output_ids[-1:])
             if loop is not None:
-                self.bandit.loop_shadow(len(seqs), all(g[:1] == seqs[r].output_ids[-1:] for r, g in loop))
+                row, guess = loop
+                self.bandit.loop_shadow(len(seqs), guess[:1] == seqs[row].output_ids[-1:])
         else:
             self._speculating = True
             try:
