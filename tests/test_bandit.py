@@ -821,3 +821,14 @@ def test_an_open_bucket_runs_its_n_gram_arm_while_the_critical_rows_loop():
 
     bandit = fresh(close=True)                       # the n-gram arm lost: the bucket closes
     assert bandit.closed_buckets() == ["bs>=1"] and not bandit.watching(1) and bandit.shadowing(1)
+
+
+def test_loop_following_is_on_with_the_cpu_profile_and_off_with_the_gpu_one_unless_set():
+    """speculative.follow_loops null: 4 where the arm table is the CPU's (by the engine's device, or device_profile),
+    off where it is the GPU's; a value set is used as it is."""
+    from tlt.speculative.config import SpecConfig
+    assert SpecConfig().follow("cpu") == 4 and SpecConfig().follow("cuda") == 0
+    assert SpecConfig.from_dict(dict(device_profile="cpu")).follow("cuda") == 4
+    assert SpecConfig.from_dict(dict(device_profile="gpu")).follow("cpu") == 0
+    assert SpecConfig.from_dict(dict(follow_loops=2)).follow("cuda") == 2
+    assert SpecConfig.from_dict(dict(follow_loops=0)).follow("cpu") == 0

@@ -44,12 +44,12 @@ class SpecConfig:
                                        "probing costs about this fraction of the bucket's time. 0 = only a new "
                                        "drafter reopens it (docs/design.md §6)",
                                  ge=0, le=0.5)
-    follow_loops: int = option(4, "an open batch-size bucket runs its n-gram arm once the n-gram drafter, asked at "
-                                  "each plain step with no request waiting for the next token of a critical row (the "
-                                  "rows the rollout waits for; one a step, in turn), has guessed it this many times "
-                                  "in a row, and goes on while they gain a drafted token a step: looping rows, where "
-                                  "n-gram drafts hold whatever the arm's average says. 0 = off (docs/design.md §6)",
-                               ge=0)
+    follow_loops: int | None = option(
+        None, "an open batch-size bucket runs its n-gram arm once the n-gram drafter, asked at each plain step with no "
+              "request waiting for the next token of a critical row (the rows the rollout waits for; one a step, in "
+              "turn), has guessed it this many times in a row, and goes on while they gain a drafted token a step: "
+              "looping rows, where n-gram drafts hold whatever the arm's average says. 0 = off; null = 4 with the cpu "
+              "profile, off with the gpu one (its cost on a GPU is unmeasured; docs/design.md §6)", ge=0)
     acceptance: Literal["invariant", "rejection"] = option(
         "invariant", "invariant = deterministic drafts, the target's own draw accepted when a draft holds it (a "
                      "seeded request samples the same tokens with SD on or off); rejection = chain drafts sampled "
@@ -101,10 +101,20 @@ class SpecConfig:
                 arm = Arm(f"tree{k}x{self.draft_topk}n{n}", "eagle_tree", depth=k, topk=self.draft_topk,
                           num_draft_tokens=n)
             return [math.inf], [[arm]]
-        profile = self.device_profile if self.device_profile != "auto" else ("gpu" if device_type == "cuda" else "cpu")
-        bounds, table = default_arm_table(profile)
+        bounds, table = default_arm_table(self.profile(device_type))
         keep = (lambda a: True) if has_drafter else (lambda a: not a.method.startswith("eagle"))
         return bounds, [[a for a in arms if keep(a)] or [OFF] for arms in table]
+
+    def profile(self, device_type: str) -> str:
+        """The device profile the arm table and the loop following use: device_profile, or by the engine's device."""
+        return self.device_profile if self.device_profile != "auto" else ("gpu" if device_type == "cuda" else "cpu")
+
+    def follow(self, device_type: str) -> int:
+        """follow_loops, or by the profile where it is null: 4 on a CPU; off on a GPU, where its cost a plain step
+        (tens of microseconds) has not been measured against a step of a few milliseconds."""
+        if self.follow_loops is not None:
+            return self.follow_loops
+        return 4 if self.profile(device_type) == "cpu" else 0
 
     def max_draft_len(self) -> int:
         """Upper bound on positions one SD step writes past a sequence's end: the verified tree in the target's cache,

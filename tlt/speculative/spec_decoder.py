@@ -48,7 +48,7 @@ class SpecDecoder:
         bounds, arms = cfg.arm_table(has_drafter=drafter is not None, device_type=engine.device.type)
         self.bandit = StrategyBandit(bounds, arms, epsilon=cfg.epsilon, window=cfg.window, seed=cfg.seed,
                                      close=cfg.close_buckets, probe=cfg.probe_closed,
-                                     follow=cfg.follow_loops)
+                                     follow=cfg.follow(engine.device.type))
         self.dcache = KVCache(self.model.cfg, engine.num_slots, engine.dtype, engine.device, num_layers=1) \
             if drafter else None
         # the drafter's per-depth forwards through CUDA graphs where the engine graphs its own (docs/design.md §9)
