@@ -832,3 +832,51 @@ def test_loop_following_is_on_with_the_cpu_profile_and_off_with_the_gpu_one_unle
     assert SpecConfig.from_dict(dict(device_profile="gpu")).follow("cpu") == 0
     assert SpecConfig.from_dict(dict(follow_loops=2)).follow("cuda") == 2
     assert SpecConfig.from_dict(dict(follow_loops=0)).follow("cpu") == 0
+
+
+def test_only_guesses_start_a_loop_which_ends_with_its_bucket_and_new_rows_and_keeps_off_priced():
+    """A loop run starts from plain steps' guesses alone: n-gram steps that gained the critical rows drafted tokens
+    while not following (greedy or explored) start none. Following, "off" still runs where its price would go stale
+    (every `refresh` choices), and a hit there keeps the loop. The run ends where the batch leaves the bucket, where new
+    rows join (`end_loops`) and where the bucket closes; a published drafter (`forget`) does not end it."""
+    ngram = Arm("ngram3", "ngram", 3, 1, 3)
+    arms = [OFF, ngram]
+
+    def fresh(**kw):
+        bandit = StrategyBandit([2, math.inf], [arms, arms], seed=3, epsilon=0.0, close=False, **kw)
+        for bs in (1, 3):
+            for _ in range(5):
+                bandit.update(bs, OFF, float(bs), 1.0, 1.0)
+                bandit.update(bs, ngram, 1.0, 1.6, 1.0)
+        return bandit
+
+    bandit = fresh()
+    for _ in range(6):
+        bandit.update(1, ngram, 1.0, 1.6, 3.0)       # n-gram steps not chosen by following, drafts held
+    bandit.select(1)                                 # (its window may make it greedy now: not a loop's step)
+    assert bandit.loop_run == [0, 0] and bandit.loop_steps == 0
+
+    bandit = fresh(refresh=8)
+    for _ in range(4):
+        bandit.loop_shadow(1, True)
+    chosen = []
+    for _ in range(20):
+        arm = bandit.select(1)
+        chosen.append(arm.name)
+        if arm is OFF:
+            bandit.loop_shadow(1, True)                 # its guess held: the loop goes on
+        else:
+            bandit.update(1, ngram, 1.0, 1.6, 3.0)
+    assert chosen[:8] == ["ngram3"] * 8 and chosen[8] == "off" and chosen[9:17] == ["ngram3"] * 8
+    assert bandit.loop_steps == 18
+
+    bandit = fresh()
+    for _ in range(4):
+        bandit.loop_shadow(3, True)
+    bandit.forget(gain=0.01)                         # a publish: still following
+    assert bandit.select(3) is ngram
+    assert bandit.select(1) is OFF and bandit.select(3) is OFF  # the batch left the bucket and came back
+    for _ in range(4):
+        bandit.loop_shadow(3, True)
+    bandit.end_loops()                               # new rows joined
+    assert bandit.select(3) is OFF

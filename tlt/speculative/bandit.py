@@ -95,10 +95,10 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
 - An open bucket follows a loop (`follow`, 4): where the n-gram drafter, asked before each plain step with no request
   waiting for the next token of a critical row (one a step, in turn), guessed it `follow` times in a row
   (`loop_shadow`), the bucket runs its n-gram arm whatever its window says, for as long as the critical rows gain a
-  drafted token a step. In a looping tail its
-  drafts hold 3-4.6 tokens a step while its window's average, over the rest of the rollout, says it loses: in one of
-  three default runs on an AVX2 CPU exploration went elsewhere and the loop that saved 1.1-2.0 s in the other two was
-  decoded plainly (docs/design.md §6).
+  drafted token a step; only guesses start a run, and "off" still runs where its price would go stale. In a looping
+  tail n-gram drafts hold 3-4.6 tokens a step while the arm's window, over the rest of the rollout, says it loses: in
+  one of three default runs on an AVX2 CPU exploration went elsewhere and the loop that saved 1.1-2.0 s in the other
+  two was decoded plainly (docs/design.md §6).
 """
 from __future__ import annotations
 
@@ -296,14 +296,16 @@ class StrategyBandit:
         # per closed bucket with an n-gram arm: whether the n-gram drafter would have proposed the token a row drew,
         # at its last SHADOW plain steps (one row a step; `shadow`), which shortens the wait for a probe
         self.shadow_hits = [deque(maxlen=SHADOW) for _ in self.arms]
-        self._has_ngram = [any(a.method == "ngram" for a in bucket) for bucket in self.arms]
         self._has_drafter = [any(a.method in DRAFTER_METHODS for a in bucket) for bucket in self.arms]
-        # per open bucket: its first n-gram arm, and how many times in a row a critical row's next token was the
-        # n-gram drafter's guess (a plain step, `loop_shadow`) or the critical rows gained a drafted token (an n-gram
-        # step); at `follow`, the bucket runs its n-gram arm (`select`): the rows the rollout waits for loop
+        # per bucket: its first n-gram arm; per open bucket, how many times in a row a critical row's next token was
+        # the n-gram drafter's guess (a plain step, `loop_shadow`), and, once that reached `follow`, the critical rows
+        # gained a drafted token (an n-gram step it ran for that): the bucket runs its n-gram arm (`select`) while
+        # the rows the rollout waits for loop. Zeroed where the batch leaves the bucket, new rows arrive
+        # (`end_loops`) or the bucket closes
         self._ngram_arm = [next((a for a in bucket if a.method == "ngram"), None) for bucket in self.arms]
         self.loop_run = [0 for _ in self.arms]
         self.loop_steps = 0                             # n-gram steps chosen that way, all buckets
+        self._last_bucket = 0
         # per bucket: whether its learned-drafter arms are retired (they did not pay there; `_update_retired`),
         # the accept-length growth published since, the drafter steps recorded since they (re)opened, and the steps
         # and seconds decoded there since they retired with the seconds at which they are probed again
@@ -320,15 +322,22 @@ class StrategyBandit:
 
     def select(self, batch_size: int) -> Arm:
         b = self.bucket(batch_size)
+        if b != self._last_bucket:  # the batch left a bucket: its critical rows' loop is not this one's
+            self.loop_run[self._last_bucket], self._last_bucket = 0, b
         arms = self._active(b)
         untried = self._untried(b)
         if self.closed[b]:
             arm = self.off[b]  # a bucket closes only where it has an "off" arm
         elif untried:
             arm = untried[0]
-        elif self.follow and self.loop_run[b] >= self.follow and self._ngram_arm[b] is not None:
-            arm = self._ngram_arm[b]  # the critical rows loop: n-gram drafts hold there, whatever its window says
-            self.loop_steps += 1
+        elif self._following(b):
+            # the critical rows loop: n-gram drafts hold there, whatever its window says; "off" still runs where its
+            # price would go stale (_price_stale), and that step's guess keeps the loop going
+            if self._price_stale(b, batch_size):
+                arm = self.off[b]
+            else:
+                arm = self._ngram_arm[b]
+                self.loop_steps += 1
         elif self.rng.random() < self.epsilon * self.window / (self.window + self.since_forget[b]):
             best = self._best(b)
             live = [a for a in arms if not self._dominated(b, a.name, best)]
@@ -341,6 +350,14 @@ class StrategyBandit:
         self.counts[b][arm.name] += 1
         self.since_forget[b] += 1
         return arm
+
+    def _following(self, b: int) -> bool:
+        return bool(self.follow) and self.loop_run[b] >= self.follow and self._ngram_arm[b] is not None \
+            and self.off[b] is not None
+
+    def end_loops(self) -> None:
+        """New rows joined the batch (a prefill): the critical rows change, so no bucket follows a loop now."""
+        self.loop_run = [0 for _ in self.arms]
 
     def _price_stale(self, b: int, batch_size: int) -> bool:
         """Whether "off" should run instead of the SD arm that is the greedy choice, so that the price it won on stays
@@ -374,7 +391,8 @@ class StrategyBandit:
         off = self.off[b]
         if arm.method != "off" and off is not None and not self.steps[b][off.name]:
             return
-        if arm.method == "ngram":  # a loop goes on while those rows gain a drafted token (no critical row: it ends)
+        if arm.method == "ngram" and self._following(b):  # a loop goes on while the critical rows gain a drafted
+            # token (none, or no critical row: it ends); only guesses start one
             self.loop_run[b] = self.loop_run[b] + 1 if critical is not None and critical >= 2 else 0
         key = (batch_size, critical is not None)
         critical = 0.0 if critical is None else float(critical)
@@ -451,6 +469,7 @@ class StrategyBandit:
                              or (self.steps[b][a.name] and self.estimate(b, a.name) < self.far * off)
                              for a in self._active(b) if a.method != "off") and self.ledger_seconds(b) < 0
         if self.closed[b]:  # it probes again once plain decoding there took 1 / probe times what SD lost
+            self.loop_run[b] = 0
             self.probe_after[b] = -self.ledger_seconds(b) / self.probe if self.probe else math.inf
             if not self.retired[b] and self.drafter_since_open[b]:
                 self._retire_if_lost(b)  # and the drafter's arms, where they lost, on their own probe
@@ -497,7 +516,7 @@ class StrategyBandit:
         """Whether a plain step at this batch size should ask the n-gram drafter for a row's next token (`shadow`):
         its bucket is closed, probes, and has an n-gram arm."""
         b = self.bucket(batch_size)
-        return self.closed[b] and self.probe > 0 and self._has_ngram[b]
+        return self.closed[b] and self.probe > 0 and self._ngram_arm[b] is not None
 
     def watching(self, batch_size: int) -> bool:
         """Whether a plain step at this batch size, with no request waiting, should ask the n-gram drafter for the
@@ -563,7 +582,7 @@ class StrategyBandit:
     def _reopen(self, b: int, methods: Sequence[str], keep: int) -> None:
         """Open bucket b (if closed) with an empty ledger and exploration restarted, these methods' arms cut to their
         last `keep` steps."""
-        self.since_forget[b], self.loop_run[b] = 0, 0
+        self.since_forget[b] = 0
         self.closed[b], self.closed_gain[b] = False, 1.0  # the new drafter gets its chance; the ledger restarts
         self.closed_steps[b], self.closed_plain_s[b], self.probe_after[b] = 0, 0.0, math.inf
         self.shadow_hits[b].clear()

@@ -64,8 +64,7 @@ class SpecDecoder:
         self.catch_up_chunk = cfg.max_draft_len()
         self.low_steps = 0
         self._speculating = False  # inside an SD step, whose measured time already includes its capture
-        self._shadow_turn = 0      # the row a closed bucket's plain step asks the n-gram drafter about
-        self._loop_turn = 0        # the critical row an open bucket's plain step asks it about
+        self._ask_turn = 0         # the row a plain step asks the n-gram drafter about (_ask_ngram)
         self.drafter_version = 0
         self.reset_stats()
         engine.attach_speculator(self, slot_caches=(self.dcache,) if self.dcache is not None else (),
@@ -154,6 +153,7 @@ class SpecDecoder:
         self.ngram.register(seq.seq_id, seq.group_id, tuple(seq.prompt_ids), seq.prompt_ids)
 
     def on_prefill(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        self.bandit.end_loops()  # new rows: the critical rows change
         if self.drafter is None:
             return
         t0 = time.perf_counter()
@@ -234,33 +234,14 @@ class SpecDecoder:
         self.st["gate_steps"] += 1
         self.st["spec_on_steps"] += arm.method != "off"
         if arm.method == "off":
-            # a closed bucket asks the n-gram drafter for one row's next token (rows in turn): a stretch where it
-            # would hold (a repetitive tail) brings the bucket's next probe nearer (StrategyBandit.shadow)
-            # an open one, with no request waiting, asks it about one of the critical rows (the rows the rollout
-            # waits for; in turn): where they loop, n-gram drafts pay whatever the arm's window says
-            # (StrategyBandit.loop_shadow). One row a step, as a GPU's plain step is a few milliseconds
-            shadow = loop = None
-            if self.bandit.shadowing(len(seqs)):
-                self._shadow_turn = row = (self._shadow_turn + 1) % len(seqs)
-                shadow = row, self.ngram.propose(seqs[row].seq_id, 1)
-            elif self.bandit.watching(len(seqs)):
-                if self.engine.requests_waiting:  # a finished row's slot is refilled: no row the rollout waits for
-                    self.bandit.loop_shadow(len(seqs), False)
-                else:
-                    critical_rows = _critical_rows(seqs)
-                    self._loop_turn = (self._loop_turn + 1) % len(critical_rows)
-                    row = critical_rows[self._loop_turn][0]
-                    loop = row, self.ngram.propose(seqs[row].seq_id, 1)
+            asked = self._ask_ngram(seqs)
             logits, hidden = self.engine.decode_forward(seqs)
             self.on_plain_decode(seqs, hidden)
             done = self.engine.sample_and_append(seqs, logits, hidden)
             emitted = len(seqs)
-            if shadow is not None:
-                row, guess = shadow
-                self.bandit.shadow(len(seqs), guess[:1] == seqs[row].output_ids[-1:])
-            if loop is not None:
-                row, guess = loop
-                self.bandit.loop_shadow(len(seqs), guess[:1] == seqs[row].output_ids[-1:])
+            if asked is not None:
+                row, guess, report = asked
+                report(len(seqs), guess[:1] == seqs[row].output_ids[-1:])
         else:
             self._speculating = True
             try:
@@ -282,6 +263,27 @@ class SpecDecoder:
                     self.st["drafter_plain_equiv_s"] += plain
             self.bandit.update(len(seqs), arm, emitted, seconds, critical)
         return done
+
+    def _ask_ngram(self, seqs: list[Sequence]):
+        """Before a plain step, ask the n-gram drafter for one row's next token (rows in turn); (row, guess, where
+        to report whether the row drew it) or None. A closed bucket asks about any row: a stretch where it would hold
+        (a repetitive tail) brings its next probe nearer (StrategyBandit.shadow). An open one, with no request
+        waiting, asks about the critical rows (the rows the rollout waits for): where they loop, n-gram drafts pay
+        whatever the arm's window says (StrategyBandit.loop_shadow). One row a step: a GPU's plain step takes a few
+        milliseconds."""
+        n = len(seqs)
+        if self.bandit.shadowing(n):
+            rows, report = range(n), self.bandit.shadow
+        elif not self.bandit.watching(n):
+            return None
+        elif self.engine.requests_waiting:  # a finished row's slot is refilled: no row the rollout waits for
+            self.bandit.loop_shadow(n, False)
+            return None
+        else:
+            rows, report = [i for i, _ in _critical_rows(seqs)], self.bandit.loop_shadow
+        self._ask_turn = (self._ask_turn + 1) % len(rows)
+        row = rows[self._ask_turn]
+        return row, self.ngram.propose(seqs[row].seq_id, 1), report
 
     def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str) -> tuple[list[Sequence], int]:
         eng, dev = self.engine, self.engine.device
