@@ -776,13 +776,14 @@ def test_a_bucket_whose_retired_drafter_arms_have_few_steps_still_closes():
     assert bandit.closed_buckets() == ["bs>=1"]
 
 
-def test_an_open_bucket_runs_its_n_gram_arm_while_the_critical_rows_loop():
+def test_an_open_bucket_runs_its_n_gram_arm_while_a_row_loops():
     """The n-gram arm lost on average here (0.62 of a plain step's worth), so "off" is the greedy choice. When the
-    n-gram drafter, asked before each plain step, guessed a critical row's next token `follow` (4) times in a row,
-    the bucket runs the n-gram arm, and goes on while those rows gain a drafted token a step (critical >= 2); a step
-    where they gain none, or one with a request waiting (no critical row), ends it, and so does a miss among the
-    guesses. Controls: 3 hits, or 3 hits, a miss and 3 more, keep "off"; follow=0 never follows and asks nothing; a
-    closed bucket asks nothing (its own shadow rule brings its probe nearer)."""
+    n-gram drafter, asked before plain steps, guessed a row's next token `follow` (4) times in a row, the row loops,
+    and while a row of the batch loops the bucket runs the n-gram arm; a step where that row gains no drafted token
+    ends its loop, and so does its finishing, while a step with a request waiting (rows=None) does not follow.
+    Controls: 3 hits, or 3 hits, a miss and 3 more, keep "off"; another row's hits do not count; a looping row outside
+    the batch does not count; follow=0 never follows; a closed bucket asks nothing (its own shadow rule brings its
+    probe nearer)."""
     ngram = Arm("ngram3", "ngram", 3, 1, 3)
 
     def fresh(follow=4, close=False):
@@ -790,34 +791,37 @@ def test_an_open_bucket_runs_its_n_gram_arm_while_the_critical_rows_loop():
         for _ in range(5):
             bandit.update(1, OFF, 1.0, 1.0, 1.0)
             bandit.update(1, ngram, 1.0, 1.6, 1.0)    # 0.62x of plain decoding: lost
-        assert bandit.select(1) is OFF and bandit.watching(1) is (bool(follow) and not close)
+        assert bandit.select(1, [10, 11]) is OFF and bandit.watching(1) is (bool(follow) and not close)
         return bandit
 
     bandit = fresh()
     for _ in range(3):
-        bandit.loop_shadow(1, True)
-    assert bandit.select(1) is OFF                   # 3 hits: not yet
-    bandit.loop_shadow(1, True)
-    assert bandit.select(1) is ngram                 # the 4th: the critical rows loop
-    bandit.update(1, ngram, 4.0, 1.25, 4.0)          # they gained 3 drafted tokens: go on
-    assert bandit.select(1) is ngram
-    bandit.update(1, ngram, 1.0, 1.25, 1.0)          # none: the loop ended
-    assert bandit.select(1) is OFF
+        bandit.loop_shadow(10, True)
+    bandit.loop_shadow(11, True)
+    assert bandit.select(1, [10, 11]) is OFF          # 3 hits for row 10, 1 for row 11: not yet
+    bandit.loop_shadow(10, True)
+    assert bandit.select(1, [10, 11]) is ngram        # the 4th: row 10 loops
+    assert bandit.select(1, None) is OFF             # a request waits: no following
+    assert bandit.select(1, [11, 12]) is OFF         # row 10 is not in this batch
+    bandit.loop_drafted({10: 4, 11: 1})              # row 10 gained 3 drafted tokens: it goes on looping
+    assert bandit.select(1, [10, 11]) is ngram
+    bandit.loop_drafted({10: 1, 11: 4})              # none for row 10: its loop ended; row 11's gain starts none
+    assert bandit.select(1, [10, 11]) is OFF
     for _ in range(4):
-        bandit.loop_shadow(1, True)
-    assert bandit.select(1) is ngram
-    bandit.update(1, ngram, 1.0, 1.6, None)          # a request waits: no critical row to follow
-    assert bandit.select(1) is OFF and bandit.loop_steps == 3
+        bandit.loop_shadow(11, True)
+    assert bandit.select(1, [10, 11]) is ngram
+    bandit.loop_end([11])                            # it finished
+    assert bandit.select(1, [10, 11]) is OFF and bandit.loop_steps == 3 and bandit.streak == {}
 
     bandit = fresh()
     for hit in [True] * 3 + [False] + [True] * 3:
-        bandit.loop_shadow(1, hit)
-    assert bandit.select(1) is OFF                   # a miss starts the count again
+        bandit.loop_shadow(10, hit)
+    assert bandit.select(1, [10]) is OFF             # a miss starts the count again
 
     bandit = fresh(follow=0)
     for _ in range(10):
-        bandit.loop_shadow(1, True)
-    assert bandit.select(1) is OFF
+        bandit.loop_shadow(10, True)
+    assert bandit.select(1, [10]) is OFF
 
     bandit = fresh(close=True)                       # the n-gram arm lost: the bucket closes
     assert bandit.closed_buckets() == ["bs>=1"] and not bandit.watching(1) and bandit.shadowing(1)
@@ -834,11 +838,11 @@ def test_loop_following_is_on_with_the_cpu_profile_and_off_with_the_gpu_one_unle
     assert SpecConfig.from_dict(dict(follow_loops=0)).follow("cpu") == 0
 
 
-def test_only_guesses_start_a_loop_which_ends_with_its_bucket_and_new_rows_and_keeps_off_priced():
-    """A loop run starts from plain steps' guesses alone: n-gram steps that gained the critical rows drafted tokens
-    while not following (greedy or explored) start none. Following, "off" still runs where its price would go stale
-    (every `refresh` choices), and a hit there keeps the loop. The run ends where the batch leaves the bucket, where new
-    rows join (`end_loops`) and where the bucket closes; a published drafter (`forget`) does not end it."""
+def test_only_guesses_start_a_loop_which_follows_its_row_across_buckets_and_keeps_off_priced():
+    """A row's loop starts from plain steps' guesses alone: n-gram steps that gained it drafted tokens while not
+    following (greedy or explored) start none. Following, "off" still runs where its price would go stale (every
+    `refresh` choices), and a hit there keeps the loop. The loop is the row's: it goes on where the batch moves to
+    another open bucket with an n-gram arm and after a published drafter (`forget`), and not in a closed bucket."""
     ngram = Arm("ngram3", "ngram", 3, 1, 3)
     arms = [OFF, ngram]
 
@@ -853,30 +857,29 @@ def test_only_guesses_start_a_loop_which_ends_with_its_bucket_and_new_rows_and_k
     bandit = fresh()
     for _ in range(6):
         bandit.update(1, ngram, 1.0, 1.6, 3.0)       # n-gram steps not chosen by following, drafts held
-    bandit.select(1)                                 # (its window may make it greedy now: not a loop's step)
-    assert bandit.loop_run == [0, 0] and bandit.loop_steps == 0
+        bandit.loop_drafted({7: 3})
+    bandit.select(1, [7])                            # (its window may make it greedy now: not a loop's step)
+    assert bandit.streak == {} and bandit.loop_steps == 0
 
     bandit = fresh(refresh=8)
     for _ in range(4):
-        bandit.loop_shadow(1, True)
+        bandit.loop_shadow(7, True)
     chosen = []
     for _ in range(20):
-        arm = bandit.select(1)
+        arm = bandit.select(1, [7])
         chosen.append(arm.name)
         if arm is OFF:
-            bandit.loop_shadow(1, True)                 # its guess held: the loop goes on
+            bandit.loop_shadow(7, True)              # its guess held: the loop goes on
         else:
             bandit.update(1, ngram, 1.0, 1.6, 3.0)
+            bandit.loop_drafted({7: 3})
     assert chosen[:8] == ["ngram3"] * 8 and chosen[8] == "off" and chosen[9:17] == ["ngram3"] * 8
     assert bandit.loop_steps == 18
 
     bandit = fresh()
     for _ in range(4):
-        bandit.loop_shadow(3, True)
+        bandit.loop_shadow(7, True)
     bandit.forget(gain=0.01)                         # a publish: still following
-    assert bandit.select(3) is ngram
-    assert bandit.select(1) is OFF and bandit.select(3) is OFF  # the batch left the bucket and came back
-    for _ in range(4):
-        bandit.loop_shadow(3, True)
-    bandit.end_loops()                               # new rows joined
-    assert bandit.select(3) is OFF
+    assert bandit.select(3, [6, 7, 8]) is ngram and bandit.select(1, [7]) is ngram  # in either bucket
+    bandit.closed[1] = True
+    assert bandit.select(3, [6, 7, 8]) is OFF and bandit.select(1, [7]) is ngram

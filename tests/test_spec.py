@@ -3,6 +3,7 @@
 hidden states equal a full forward, drafter swaps mid-run."""
 import copy
 import re
+from collections import Counter
 
 import pytest
 import torch
@@ -430,41 +431,60 @@ def test_a_closed_bucket_asks_the_n_gram_drafter_about_each_plain_step(sharp_lla
     assert run(closed=False)[2] == []  # (its n-gram arms still ask the drafter for their drafts)
 
 
-def test_an_open_bucket_asks_the_n_gram_drafter_about_the_critical_rows(sharp_llama):
-    """With no request waiting, every plain step of an open bucket asks the n-gram drafter for the next token of a
-    critical row (the rows with the most left to their limit: the rollout waits for them; in turn) and tells the
-    bandit whether it drew it (StrategyBandit.loop_shadow: `follow_loops` hits in a row run the n-gram arm). Two
-    greedy requests of 40 and 12 tokens: the longer one is the critical row at every step, so only its tokens are
-    asked about, each answer is what a fresh NgramDrafter replaying it proposes, and each hit is whether its next
-    token is the guess. The outputs repeat themselves, so some are hits. Control: follow_loops=0 asks nothing."""
-    from tlt.speculative.bandit import OFF as OFF_ARM
+def test_an_open_bucket_asks_the_n_gram_drafter_about_each_row_and_follows_its_loop(sharp_llama):
+    """With no request waiting, every plain step of an open bucket asks the n-gram drafter for the next token of up
+    to LOOP_ASKS rows (in turn) and tells the bandit whether each drew it (StrategyBandit.loop_shadow: `follow_loops`
+    hits in a row and the row loops). Two greedy requests of 40 and 12 tokens: each step asks about every row it
+    holds (2, then 1), each answer is what a fresh NgramDrafter replaying that row proposes, each hit is whether its
+    next token is the guess; once a row has a count, `select` gets the rows' keys; finished rows' counts go. The
+    outputs repeat themselves, so some are hits. Then n-gram steps only: the bandit gets each row's tokens a step
+    (`loop_drafted`), which add up to its output. Control: follow_loops=0 asks nothing."""
+    from tlt.speculative.bandit import OFF as OFF_ARM, Arm
     from tlt.speculative.ngram import NgramDrafter
     model, drafter_dir = sharp_llama
     prompts = [[3, 7, 1, 3, 7, 1, 3, 7], [5, 2, 5, 2, 5, 2]]
     params = [tlt.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 12)]
 
-    def run(follow):
+    def run(follow, arm=OFF_ARM):
         llm = tlt.LLM(model, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=None,
                                                      follow_loops=follow))
-        spec, asked, hits = llm.spec, [], []
+        spec, asked, hits, keys, gains = llm.spec, [], [], [], []
         spec.bandit.close = False  # stays open (the rules that close: tests/test_bandit.py)
-        spec.bandit.select = lambda bs: OFF_ARM  # plain steps only: every one asks
+        spec.bandit.select = lambda bs, rows=None: keys.append(rows) or arm  # one arm throughout
         propose = spec.ngram.propose
         spec.ngram.propose = lambda seq_id, k=None: asked.append(
             (list(spec.ngram.seqs[seq_id].tokens), propose(seq_id, k))) or asked[-1][1]
-        spec.bandit.loop_shadow = lambda bs, hit: hits.append(hit)
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], asked, hits
+        loop_shadow = spec.bandit.loop_shadow
+        spec.bandit.loop_shadow = lambda row, hit: hits.append((row, hit)) or loop_shadow(row, hit)
+        spec.bandit.loop_drafted = gains.append
+        if arm is not OFF_ARM:
+            spec.bandit.streak[-1] = 4  # a row of no batch: the steps pass their rows' keys
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        return outputs, asked, hits, keys, gains, dict(spec.bandit.streak)
 
-    outputs, asked, hits = run(follow=4)
-    assert len(asked) == len(hits) == 39 and any(hits) and not all(hits)  # every decode step after the prefill
-    full = prompts[0] + outputs[0]
-    for (tokens, guess), hit in zip(asked, hits):
-        assert tokens == full[:len(tokens)]  # the longer row's, only
+    outputs, asked, hits, keys, _, streak = run(follow=4)
+    assert len(asked) == len(hits) == 11 * 2 + 28 and any(h for _, h in hits) and not all(h for _, h in hits)
+    assert streak == {}  # both rows finished
+    ids = {}
+    for (tokens, guess), (key, hit) in zip(asked, hits):
+        row = next(r for r, p in enumerate(prompts) if tokens[:len(p)] == p)
+        assert ids.setdefault(row, key) == key  # one key a row
+        full = prompts[row] + outputs[row]
+        assert tokens == full[:len(tokens)]
         replay = NgramDrafter(max_n=SpecConfig().ngram_max_n, min_n=SpecConfig().ngram_min_n)
-        replay.register(0, 0, tuple(prompts[0]), prompts[0])
-        replay.update(0, tokens[len(prompts[0]):])
+        replay.register(0, 0, tuple(prompts[row]), prompts[row])
+        replay.update(0, tokens[len(prompts[row]):])
         assert guess == replay.propose(0, 1) and hit == (guess == full[len(tokens):len(tokens) + 1])
-    assert run(follow=0)[1:] == ([], [])
+    assert len(ids) == 2 and keys[0] is None and [ids[0], ids[1]] in keys and [ids[0]] in keys
+    assert run(follow=0)[1:3] == ([], [])
+
+    outputs, _, hits, keys, gains, _ = run(follow=4, arm=Arm("ngram4", "ngram", 4, 1, 4))
+    assert hits == [] and all(k is not None for k in keys) and len(gains) == len(keys)
+    totals = Counter()
+    for g in gains:
+        totals.update(g)
+    assert sorted(totals.values()) == sorted(len(o) - 1 for o in outputs)  # the first token: the prefill's
+    assert any(max(g.values()) > 1 for g in gains)  # drafts held
 
 
 def test_above_the_gate_the_capture_follows_whether_any_bucket_is_open(sharp_llama):

@@ -92,13 +92,16 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   them (`capturing`). A probe of a closed bucket then tries its other SD arms afresh; the drafter's arms return for a
   drafter whose gain could pay (`forget`) or by their own probe, once the bucket decoded 1 / `probe` times the seconds
   they lost (at least SHADOW steps).
-- An open bucket follows a loop (`follow`, 4): where the n-gram drafter, asked before each plain step with no request
-  waiting for the next token of a critical row (one a step, in turn), guessed it `follow` times in a row
-  (`loop_shadow`), the bucket runs its n-gram arm whatever its window says, for as long as the critical rows gain a
-  drafted token a step; only guesses start a run, and "off" still runs where its price would go stale. In a looping
-  tail n-gram drafts hold 3-4.6 tokens a step while the arm's window, over the rest of the rollout, says it loses: in
-  one of three default runs on an AVX2 CPU exploration went elsewhere and the loop that saved 1.1-2.0 s in the other
-  two was decoded plainly (docs/design.md §6).
+- An open bucket follows a loop (`follow`, 4): where no request waits, each plain step there asks the n-gram
+  drafter for the next token of up to four rows (in turn; `loop_shadow`), and a row whose next token it guessed
+  `follow` times in a row loops. While a row of the batch loops, the bucket runs its n-gram arm whatever its window
+  says, until a step where that row gains no drafted token (`loop_drafted`) or it finishes; only guesses start a
+  loop, and "off" still runs where its price would go stale. In a looping tail n-gram drafts hold 3-4.6 tokens a step
+  while the arm's window, over the rest of the rollout, says it loses: in one of three default runs on an AVX2 CPU
+  exploration went elsewhere and the loop that saved 1.1-2.0 s in the other two was decoded plainly. Any looping
+  row, not only the critical ones: a looping row runs to its limit, while the rows the rollout seems to wait for
+  (the furthest from theirs) may stop at EOS first, and once a loop's drafts pull its rows ahead those are the
+  others; asking about the critical rows alone followed 0-3 steps a rollout and missed a loop (docs/design.md §6).
 """
 from __future__ import annotations
 
@@ -297,15 +300,13 @@ class StrategyBandit:
         # at its last SHADOW plain steps (one row a step; `shadow`), which shortens the wait for a probe
         self.shadow_hits = [deque(maxlen=SHADOW) for _ in self.arms]
         self._has_drafter = [any(a.method in DRAFTER_METHODS for a in bucket) for bucket in self.arms]
-        # per bucket: its first n-gram arm; per open bucket, how many times in a row a critical row's next token was
-        # the n-gram drafter's guess (a plain step, `loop_shadow`), and, once that reached `follow`, the critical rows
-        # gained a drafted token (an n-gram step it ran for that): the bucket runs its n-gram arm (`select`) while
-        # the rows the rollout waits for loop. Zeroed where the batch leaves the bucket, new rows arrive
-        # (`end_loops`) or the bucket closes
+        # per bucket: its first n-gram arm. Per row (the caller's key, `loop_shadow`): how many times in a row the
+        # n-gram drafter, asked before a plain step, guessed its next token; a row at `follow` or more loops, and while
+        # a row of the batch loops an open bucket runs its n-gram arm (`select`), until a step where that row gains no
+        # drafted token (`loop_drafted`) or the row finishes (`loop_end`)
         self._ngram_arm = [next((a for a in bucket if a.method == "ngram"), None) for bucket in self.arms]
-        self.loop_run = [0 for _ in self.arms]
+        self.streak: dict[int, int] = {}
         self.loop_steps = 0                             # n-gram steps chosen that way, all buckets
-        self._last_bucket = 0
         # per bucket: whether its learned-drafter arms are retired (they did not pay there; `_update_retired`),
         # the accept-length growth published since, the drafter steps recorded since they (re)opened, and the steps
         # and seconds decoded there since they retired with the seconds at which they are probed again
@@ -320,19 +321,19 @@ class StrategyBandit:
     def bucket(self, batch_size: int) -> int:
         return next(i for i, hi in enumerate(self.bounds) if batch_size <= hi)
 
-    def select(self, batch_size: int) -> Arm:
+    def select(self, batch_size: int, rows: Sequence[int] | None = None) -> Arm:
+        """The arm for the next step at `batch_size`. rows: the batch's row keys where no request waits for a slot
+        (its rollout ends with the rows it holds), which may follow a loop; None where one waits."""
         b = self.bucket(batch_size)
-        if b != self._last_bucket:  # the batch left a bucket: its critical rows' loop is not this one's
-            self.loop_run[self._last_bucket], self._last_bucket = 0, b
         arms = self._active(b)
         untried = self._untried(b)
         if self.closed[b]:
             arm = self.off[b]  # a bucket closes only where it has an "off" arm
         elif untried:
             arm = untried[0]
-        elif self._following(b):
-            # the critical rows loop: n-gram drafts hold there, whatever its window says; "off" still runs where its
-            # price would go stale (_price_stale), and that step's guess keeps the loop going
+        elif rows is not None and self._following(b, rows):
+            # a row loops: n-gram drafts hold there, whatever the arm's window says; "off" still runs where its price
+            # would go stale (_price_stale), and that step's guesses keep the loop going
             if self._price_stale(b, batch_size):
                 arm = self.off[b]
             else:
@@ -351,13 +352,10 @@ class StrategyBandit:
         self.since_forget[b] += 1
         return arm
 
-    def _following(self, b: int) -> bool:
-        return bool(self.follow) and self.loop_run[b] >= self.follow and self._ngram_arm[b] is not None \
-            and self.off[b] is not None
-
-    def end_loops(self) -> None:
-        """New rows joined the batch (a prefill): the critical rows change, so no bucket follows a loop now."""
-        self.loop_run = [0 for _ in self.arms]
+    def _following(self, b: int, rows: Sequence[int]) -> bool:
+        if not (self.follow and self.streak and self._ngram_arm[b] is not None and self.off[b] is not None):
+            return False
+        return any(self.streak.get(r, 0) >= self.follow for r in rows)
 
     def _price_stale(self, b: int, batch_size: int) -> bool:
         """Whether "off" should run instead of the SD arm that is the greedy choice, so that the price it won on stays
@@ -391,9 +389,6 @@ class StrategyBandit:
         off = self.off[b]
         if arm.method != "off" and off is not None and not self.steps[b][off.name]:
             return
-        if arm.method == "ngram" and self._following(b):  # a loop goes on while the critical rows gain a drafted
-            # token (none, or no critical row: it ends); only guesses start one
-            self.loop_run[b] = self.loop_run[b] + 1 if critical is not None and critical >= 2 else 0
         key = (batch_size, critical is not None)
         critical = 0.0 if critical is None else float(critical)
         price = self._prices[b]
@@ -469,7 +464,6 @@ class StrategyBandit:
                              or (self.steps[b][a.name] and self.estimate(b, a.name) < self.far * off)
                              for a in self._active(b) if a.method != "off") and self.ledger_seconds(b) < 0
         if self.closed[b]:  # it probes again once plain decoding there took 1 / probe times what SD lost
-            self.loop_run[b] = 0
             self.probe_after[b] = -self.ledger_seconds(b) / self.probe if self.probe else math.inf
             if not self.retired[b] and self.drafter_since_open[b]:
                 self._retire_if_lost(b)  # and the drafter's arms, where they lost, on their own probe
@@ -519,17 +513,30 @@ class StrategyBandit:
         return self.closed[b] and self.probe > 0 and self._ngram_arm[b] is not None
 
     def watching(self, batch_size: int) -> bool:
-        """Whether a plain step at this batch size, with no request waiting, should ask the n-gram drafter for the
-        next token of a critical row (`loop_shadow`): its bucket is open and has an n-gram arm, and `follow` is on."""
+        """Whether a plain step at this batch size, with no request waiting, should ask the n-gram drafter for rows'
+        next tokens (`loop_shadow`): its bucket is open and has an n-gram arm, and `follow` is on."""
         b = self.bucket(batch_size)
         return bool(self.follow) and not self.closed[b] and self._ngram_arm[b] is not None
 
-    def loop_shadow(self, batch_size: int, hit: bool) -> None:
-        """Record whether the n-gram drafter, asked before a plain step of an open bucket, proposed the token a
-        critical row then drew (False where a request waits: no critical row); `follow` hits in a row run the n-gram
-        arm."""
-        b = self.bucket(batch_size)
-        self.loop_run[b] = self.loop_run[b] + 1 if hit else 0
+    def loop_shadow(self, row: int, hit: bool) -> None:
+        """Record whether the n-gram drafter, asked before a plain step of an open bucket with no request waiting,
+        proposed the token the row then drew; `follow` hits in a row and the row loops."""
+        if hit:
+            self.streak[row] = self.streak.get(row, 0) + 1
+        else:
+            self.streak.pop(row, None)
+
+    def loop_drafted(self, gains: dict[int, int]) -> None:
+        """Record the tokens an n-gram step gave each row (row key -> tokens): a row that gained no drafted token
+        (one token or none) does not loop, and starts its count again. Only guesses start a loop (`loop_shadow`)."""
+        for row, gained in gains.items():
+            if gained < 2:
+                self.streak.pop(row, None)
+
+    def loop_end(self, rows: Sequence[int]) -> None:
+        """The rows finished."""
+        for row in rows:
+            self.streak.pop(row, None)
 
     def shadow(self, batch_size: int, hit: bool) -> None:
         """Record whether the n-gram drafter, asked before a plain step in a closed bucket, proposed the token a row

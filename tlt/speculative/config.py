@@ -45,10 +45,10 @@ class SpecConfig:
                                        "drafter reopens it (docs/design.md §6)",
                                  ge=0, le=0.5)
     follow_loops: int | None = option(
-        None, "an open batch-size bucket runs its n-gram arm once the n-gram drafter, asked at each plain step with no "
-              "request waiting for the next token of a critical row (the rows the rollout waits for; one a step, in "
-              "turn), has guessed it this many times in a row, and goes on while they gain a drafted token a step: "
-              "looping rows, where n-gram drafts hold whatever the arm's average says. 0 = off; null = 4 with the cpu "
+        None, "a row loops once the n-gram drafter, asked at plain steps of an open batch-size bucket with no "
+              "request waiting for the next token of up to 4 rows a step (in turn), has guessed its next token this "
+              "many times in a row; while a row of the batch loops, the bucket runs its n-gram arm whatever the arm's "
+              "average says, until a step where that row gains no drafted token. 0 = off; null = 4 with the cpu "
               "profile, off with the gpu one (its cost on a GPU is unmeasured; docs/design.md §6)", ge=0)
     acceptance: Literal["invariant", "rejection"] = option(
         "invariant", "invariant = deterministic drafts, the target's own draw accepted when a draft holds it (a "

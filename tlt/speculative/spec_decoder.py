@@ -35,6 +35,9 @@ from tlt.speculative.verify import (chain_to_tree, emitted_logprobs, tree_layout
                              verify_stochastic)
 from tlt.speculative.verify_static import GraphedAcceptance, WalkShape, can_reserve, read, reserve
 
+LOOP_ASKS = 4  # rows a plain step of an open bucket asks the n-gram drafter about (_ask_ngram): a loop at bs 20 shows
+#                within 20 steps of `follow_loops` = 4
+
 
 class SpecDecoder:
     def __init__(self, engine, cfg: SpecConfig, drafter: Drafter | None = None, verify_fn=verify_deterministic,
@@ -64,7 +67,7 @@ class SpecDecoder:
         self.catch_up_chunk = cfg.max_draft_len()
         self.low_steps = 0
         self._speculating = False  # inside an SD step, whose measured time already includes its capture
-        self._ask_turn = 0         # the row a plain step asks the n-gram drafter about (_ask_ngram)
+        self._ask_turn = 0         # the last row a plain step asked the n-gram drafter about (_ask_ngram)
         self.drafter_version = 0
         self.reset_stats()
         engine.attach_speculator(self, slot_caches=(self.dcache,) if self.dcache is not None else (),
@@ -153,7 +156,6 @@ class SpecDecoder:
         self.ngram.register(seq.seq_id, seq.group_id, tuple(seq.prompt_ids), seq.prompt_ids)
 
     def on_prefill(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
-        self.bandit.end_loops()  # new rows: the critical rows change
         if self.drafter is None:
             return
         t0 = time.perf_counter()
@@ -194,6 +196,7 @@ class SpecDecoder:
         return self.cfg.bs_threshold is not None and batch_size > self.cfg.bs_threshold
 
     def on_finish(self, done: list[Sequence]) -> None:
+        self.bandit.loop_end([s.seq_id for s in done])
         for s in done:
             self.ngram.finish(s.seq_id)
             self.hist.pop(s.seq_id, None)
@@ -226,9 +229,13 @@ class SpecDecoder:
     def step(self, seqs: list[Sequence]) -> list[Sequence]:
         t0 = time.perf_counter()
         captures, indexing = self.engine.num_graph_captures, self.ngram.index_time_s
-        arm = self.bandit.select(len(seqs))
+        waiting = self.engine.requests_waiting
+        # where none waits, the rows may follow a loop (StrategyBandit.select); none loop most of the time
+        rows = None if waiting or not self.bandit.streak else [s.seq_id for s in seqs]
+        arm = self.bandit.select(len(seqs), rows)
         # an SD step's worth with no request waiting: what it gives the critical row (a plain step is worth itself)
-        critical = None if arm.method == "off" or self.engine.requests_waiting else _critical_rows(seqs)
+        critical = None if arm.method == "off" or waiting else _critical_rows(seqs)
+        before = [len(s.output_ids) for s in seqs] if arm.method == "ngram" and rows is not None else None
         bucket = self.bandit.bucket_name(self.bandit.bucket(len(seqs)))
         self.st["arm_counts"][f"{bucket}:{arm.name}"] += 1
         self.st["gate_steps"] += 1
@@ -240,14 +247,21 @@ class SpecDecoder:
             done = self.engine.sample_and_append(seqs, logits, hidden)
             emitted = len(seqs)
             if asked is not None:
-                row, guess, report = asked
-                report(len(seqs), guess[:1] == seqs[row].output_ids[-1:])
+                loop, guesses = asked
+                for row, guess in guesses:
+                    hit = guess[:1] == seqs[row].output_ids[-1:]
+                    if loop:
+                        self.bandit.loop_shadow(seqs[row].seq_id, hit)
+                    else:
+                        self.bandit.shadow(len(seqs), hit)
         else:
             self._speculating = True
             try:
                 done, emitted = self._speculate(seqs, arm, bucket)
             finally:
                 self._speculating = False
+            if before is not None:  # which rows' loops the step's drafts kept
+                self.bandit.loop_drafted({s.seq_id: len(s.output_ids) - b for s, b in zip(seqs, before)})
         # a step that captured a CUDA graph (~10-100 plain steps, once) says nothing of the arm; nor does the n-gram
         # index's catch-up on the tokens its pools gained since an n-gram step last read them (all of them, prompts
         # included, at a sequence's first)
@@ -264,26 +278,23 @@ class SpecDecoder:
             self.bandit.update(len(seqs), arm, emitted, seconds, critical)
         return done
 
-    def _ask_ngram(self, seqs: list[Sequence]):
-        """Before a plain step, ask the n-gram drafter for one row's next token (rows in turn); (row, guess, where
-        to report whether the row drew it) or None. A closed bucket asks about any row: a stretch where it would hold
-        (a repetitive tail) brings its next probe nearer (StrategyBandit.shadow). An open one, with no request
-        waiting, asks about the critical rows (the rows the rollout waits for): where they loop, n-gram drafts pay
-        whatever the arm's window says (StrategyBandit.loop_shadow). One row a step: a GPU's plain step takes a few
-        milliseconds."""
+    def _ask_ngram(self, seqs: list[Sequence]) -> tuple[bool, list[tuple[int, list[int]]]] | None:
+        """Before a plain step, ask the n-gram drafter for rows' next tokens (rows in turn): (whether the answers
+        watch for loops, [(row, guess)]) or None. A closed bucket asks about one row: a stretch where its guesses
+        would hold (a repetitive tail) brings its next probe nearer (StrategyBandit.shadow). An open one with no
+        request waiting asks about up to LOOP_ASKS rows: a row whose guesses keep holding loops, and n-gram drafts pay
+        there whatever the arm's window says (StrategyBandit.loop_shadow). A guess costs ~20 us, a plain step on a
+        2-core CPU 10-30 ms."""
         n = len(seqs)
         if self.bandit.shadowing(n):
-            rows, report = range(n), self.bandit.shadow
-        elif not self.bandit.watching(n):
-            return None
-        elif self.engine.requests_waiting:  # a finished row's slot is refilled: no row the rollout waits for
-            self.bandit.loop_shadow(n, False)
-            return None
+            loop, asks = False, 1
+        elif self.bandit.watching(n) and not self.engine.requests_waiting:
+            loop, asks = True, min(n, LOOP_ASKS)
         else:
-            rows, report = [i for i, _ in _critical_rows(seqs)], self.bandit.loop_shadow
-        self._ask_turn = (self._ask_turn + 1) % len(rows)
-        row = rows[self._ask_turn]
-        return row, self.ngram.propose(seqs[row].seq_id, 1), report
+            return None
+        rows = [(self._ask_turn + i) % n for i in range(1, asks + 1)]
+        self._ask_turn = rows[-1]
+        return loop, [(i, self.ngram.propose(seqs[i].seq_id, 1)) for i in rows]
 
     def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str) -> tuple[list[Sequence], int]:
         eng, dev = self.engine, self.engine.device
