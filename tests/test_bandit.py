@@ -805,13 +805,15 @@ def test_an_open_bucket_runs_its_n_gram_arm_while_a_row_loops():
     assert bandit.select(1, [11, 12]) is OFF         # row 10 is not in this batch
     bandit.loop_drafted({10: 4, 11: 1})              # row 10 gained 3 drafted tokens: it goes on looping
     assert bandit.select(1, [10, 11]) is ngram
+    bandit.loop_drafted({10: 2})                     # one drafted token: still
+    assert bandit.select(1, [10, 11]) is ngram
     bandit.loop_drafted({10: 1, 11: 4})              # none for row 10: its loop ended; row 11's gain starts none
     assert bandit.select(1, [10, 11]) is OFF
     for _ in range(4):
         bandit.loop_shadow(11, True)
     assert bandit.select(1, [10, 11]) is ngram
     bandit.loop_end([11])                            # it finished
-    assert bandit.select(1, [10, 11]) is OFF and bandit.loop_steps == 3 and bandit.streak == {}
+    assert bandit.select(1, [10, 11]) is OFF and bandit.loop_steps == 4 and bandit.streak == {}
 
     bandit = fresh()
     for hit in [True] * 3 + [False] + [True] * 3:

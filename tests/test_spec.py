@@ -434,16 +434,17 @@ def test_a_closed_bucket_asks_the_n_gram_drafter_about_each_plain_step(sharp_lla
 def test_an_open_bucket_asks_the_n_gram_drafter_about_each_row_and_follows_its_loop(sharp_llama):
     """With no request waiting, every plain step of an open bucket asks the n-gram drafter for the next token of up
     to LOOP_ASKS rows (in turn) and tells the bandit whether each drew it (StrategyBandit.loop_shadow: `follow_loops`
-    hits in a row and the row loops). Two greedy requests of 40 and 12 tokens: each step asks about every row it
+    hits in a row and the row loops). Two greedy requests of 12 and 40 tokens: each step asks about every row it
     holds (2, then 1), each answer is what a fresh NgramDrafter replaying that row proposes, each hit is whether its
     next token is the guess; once a row has a count, `select` gets the rows' keys; finished rows' counts go. The
     outputs repeat themselves, so some are hits. Then n-gram steps only: the bandit gets each row's tokens a step
-    (`loop_drafted`), which add up to its output. Control: follow_loops=0 asks nothing."""
+    under its key (`loop_drafted`; the longer row is the batch's second, then its first), which add up to its
+    output. Control: follow_loops=0 asks nothing."""
     from tlt.speculative.bandit import OFF as OFF_ARM, Arm
     from tlt.speculative.ngram import NgramDrafter
     model, drafter_dir = sharp_llama
-    prompts = [[3, 7, 1, 3, 7, 1, 3, 7], [5, 2, 5, 2, 5, 2]]
-    params = [tlt.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 12)]
+    prompts = [[5, 2, 5, 2, 5, 2], [3, 7, 1, 3, 7, 1, 3, 7]]
+    params = [tlt.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 40)]
 
     def run(follow, arm=OFF_ARM):
         llm = tlt.LLM(model, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=None,
@@ -475,16 +476,89 @@ def test_an_open_bucket_asks_the_n_gram_drafter_about_each_row_and_follows_its_l
         replay.register(0, 0, tuple(prompts[row]), prompts[row])
         replay.update(0, tokens[len(prompts[row]):])
         assert guess == replay.propose(0, 1) and hit == (guess == full[len(tokens):len(tokens) + 1])
-    assert len(ids) == 2 and keys[0] is None and [ids[0], ids[1]] in keys and [ids[0]] in keys
+    assert len(ids) == 2 and keys[0] is None and [ids[0], ids[1]] in keys and [ids[1]] in keys
     assert run(follow=0)[1:3] == ([], [])
 
     outputs, _, hits, keys, gains, _ = run(follow=4, arm=Arm("ngram4", "ngram", 4, 1, 4))
-    assert hits == [] and all(k is not None for k in keys) and len(gains) == len(keys)
+    assert hits == [] and len(gains) == len(keys) and all(set(g) == set(k) for g, k in zip(gains, keys))
+    assert len(keys[0]) == 2 and len(keys[-1]) == 1 and keys[-1][0] == keys[0][1]  # the longer row moved up
     totals = Counter()
     for g in gains:
         totals.update(g)
-    assert sorted(totals.values()) == sorted(len(o) - 1 for o in outputs)  # the first token: the prefill's
+    assert [totals[k] for k in keys[0]] == [len(o) - 1 for o in outputs]  # the first token: the prefill's
     assert any(max(g.values()) > 1 for g in gains)  # drafts held
+
+
+def test_a_step_run_for_a_loop_is_worth_what_it_gives_the_looping_rows(sharp_llama):
+    """A step the bandit runs because a row loops is valued by that row's gain (the looping rows run to their limit
+    and the rollout waits for them), not by the critical row's (the furthest from its limit, which may stop at EOS).
+    Two greedy requests of 12 and 40 tokens, n-gram steps only, the shorter row looping: the bandit is told, at
+    each step with both rows, what the shorter row gained. Control: the same steps not run for a loop are valued by
+    the longer, critical row's gain."""
+    from tlt.speculative.bandit import Arm
+    model, drafter_dir = sharp_llama
+    prompts = [[5, 2, 5, 2, 5, 2], [3, 7, 1, 3, 7, 1, 3, 7]]
+    params = [tlt.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 40)]
+    ngram = Arm("ngram4", "ngram", 4, 1, 4)
+
+    def run(following):
+        llm = tlt.LLM(model, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=None,
+                                                     follow_loops=4))
+        bandit, steps = llm.spec.bandit, []
+        bandit.close = False
+        bandit.streak[-1] = 4  # a row of no batch: the steps pass their rows' keys
+
+        def select(bs, rows=None):
+            if rows is not None and len(rows) == 2:
+                bandit.streak[rows[0]] = 4      # the shorter row loops
+            if rows is not None and any(bandit.streak.get(r, 0) >= 4 for r in rows):
+                bandit.loop_steps += following  # the step is run for the loop
+            return ngram
+
+        bandit.select = select
+        bandit.loop_drafted = lambda gains: steps.append([gains])
+        bandit.update = lambda bs, arm, tokens, seconds, critical=None: steps[-1].append((bs, critical))
+        llm.generate(prompts, params)
+        return [(list(g.values()), bs, critical) for g, (bs, critical) in steps]
+
+    for following in (True, False):
+        steps = run(following)
+        both = [(gains, critical) for gains, bs, critical in steps if bs == 2]
+        assert both and any(a != b for (a, b), _ in both)  # the rows' gains differ in some steps
+        assert all(critical == gains[0 if following else 1] for gains, critical in both)
+
+
+def test_no_row_is_asked_about_or_followed_while_a_request_waits_and_the_asks_go_round(sharp_llama):
+    """Six greedy requests on five slots: while the sixth waits for one (the shortest, 6 tokens, to finish), no
+    step asks the n-gram drafter about a row and `select` gets no rows (a finished row's slot is refilled: no loop to
+    follow); from then on each step asks about LOOP_ASKS (4) rows, in turn, so that any two steps in a row ask about
+    all five."""
+    from tlt.speculative.bandit import OFF as OFF_ARM
+    from tlt.speculative.spec_decoder import LOOP_ASKS
+    model, drafter_dir = sharp_llama
+    prompts = [[3, 7, 1, 3, 7, 1], [5, 2, 5, 2, 5, 2], [4, 4, 6, 4, 4, 6], [9, 8, 9, 8], [1, 2, 3, 1, 2, 3], [6, 5, 6]]
+    params = [tlt.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (20, 6, 20, 20, 20, 20)]
+    llm = tlt.LLM(model, max_num_seqs=5, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=None,
+                                                                 follow_loops=4))
+    spec, steps = llm.spec, []
+    spec.bandit.close = False
+    spec.bandit.streak[-1] = 4  # a row of no batch: steps where rows may follow a loop pass their keys
+
+    def select(bs, rows=None):
+        steps.append((llm.engine.requests_waiting, rows, []))
+        return OFF_ARM
+
+    spec.bandit.select = select
+    propose = spec.ngram.propose
+    spec.ngram.propose = lambda seq_id, k=None: steps[-1][2].append(seq_id) or propose(seq_id, k)
+    llm.generate(prompts, params)
+    waited = [s for s in steps if s[0]]
+    assert waited and all(rows is None and asked == [] for _, rows, asked in waited)
+    free = [(rows, asked) for w, rows, asked in steps if not w]
+    assert all(rows is not None and len(asked) == min(len(rows), LOOP_ASKS) and set(asked) <= set(rows)
+               for rows, asked in free)
+    full = [(rows, asked) for rows, asked in free if len(rows) == 5]
+    assert len(full) > 4 and all(set(a1 + a2) == set(r1) for (r1, a1), (r2, a2) in zip(full, full[1:]) if r1 == r2)
 
 
 def test_above_the_gate_the_capture_follows_whether_any_bucket_is_open(sharp_llama):
