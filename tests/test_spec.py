@@ -489,45 +489,6 @@ def test_an_open_bucket_asks_the_n_gram_drafter_about_each_row_and_follows_its_l
     assert any(max(g.values()) > 1 for g in gains)  # drafts held
 
 
-def test_a_step_run_for_a_loop_is_worth_what_it_gives_the_looping_rows(sharp_llama):
-    """A step the bandit runs because a row loops is valued by that row's gain (the looping rows run to their limit
-    and the rollout waits for them), not by the critical row's (the furthest from its limit, which may stop at EOS).
-    Two greedy requests of 12 and 40 tokens, n-gram steps only, the shorter row looping: the bandit is told, at
-    each step with both rows, what the shorter row gained. Control: the same steps not run for a loop are valued by
-    the longer, critical row's gain."""
-    from tlt.speculative.bandit import Arm
-    model, drafter_dir = sharp_llama
-    prompts = [[5, 2, 5, 2, 5, 2], [3, 7, 1, 3, 7, 1, 3, 7]]
-    params = [tlt.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 40)]
-    ngram = Arm("ngram4", "ngram", 4, 1, 4)
-
-    def run(following):
-        llm = tlt.LLM(model, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=None,
-                                                     follow_loops=4))
-        bandit, steps = llm.spec.bandit, []
-        bandit.close = False
-        bandit.streak[-1] = 4  # a row of no batch: the steps pass their rows' keys
-
-        def select(bs, rows=None):
-            if rows is not None and len(rows) == 2:
-                bandit.streak[rows[0]] = 4      # the shorter row loops
-            if rows is not None and any(bandit.streak.get(r, 0) >= 4 for r in rows):
-                bandit.loop_steps += following  # the step is run for the loop
-            return ngram
-
-        bandit.select = select
-        bandit.loop_drafted = lambda gains: steps.append([gains])
-        bandit.update = lambda bs, arm, tokens, seconds, critical=None: steps[-1].append((bs, critical))
-        llm.generate(prompts, params)
-        return [(list(g.values()), bs, critical) for g, (bs, critical) in steps]
-
-    for following in (True, False):
-        steps = run(following)
-        both = [(gains, critical) for gains, bs, critical in steps if bs == 2]
-        assert both and any(a != b for (a, b), _ in both)  # the rows' gains differ in some steps
-        assert all(critical == gains[0 if following else 1] for gains, critical in both)
-
-
 def test_no_row_is_asked_about_or_followed_while_a_request_waits_and_the_asks_go_round(sharp_llama):
     """Six greedy requests on five slots: while the sixth waits for one (the shortest, 6 tokens, to finish), no
     step asks the n-gram drafter about a row and `select` gets no rows (a finished row's slot is refilled: no loop to

@@ -232,19 +232,11 @@ class SpecDecoder:
         waiting = self.engine.requests_waiting
         # where none waits, the rows may follow a loop (StrategyBandit.select); none loop most of the time
         rows = None if waiting or not self.bandit.streak else [s.seq_id for s in seqs]
-        loops = self.bandit.loop_steps
         arm = self.bandit.select(len(seqs), rows)
         # an SD step's worth with no request waiting: what it gives the critical row (a plain step is worth itself);
-        # a step run because rows loop, what it gives the looping rows' critical one: they run to their limit, and
-        # the rollout waits for them (docs/design.md §6)
-        if arm.method == "off" or waiting:
-            critical = None
-        elif self.bandit.loop_steps != loops:
-            follow = self.bandit.follow
-            looping = [i for i, r in enumerate(rows) if self.bandit.streak.get(r, 0) >= follow]
-            critical = _critical_rows(seqs, looping or None)
-        else:
-            critical = _critical_rows(seqs)
+        # also a step run because a row loops (docs/design.md §6: valued by the looping rows instead, such steps lost
+        # time on an AVX2 CPU and kept running)
+        critical = None if arm.method == "off" or waiting else _critical_rows(seqs)
         # an n-gram step tells whether the rows that loop still do (also where a request waits)
         before = [len(s.output_ids) for s in seqs] if arm.method == "ngram" and self.bandit.streak else None
         bucket = self.bandit.bucket_name(self.bandit.bucket(len(seqs)))
@@ -487,11 +479,10 @@ def _sampling_rows(seqs: list[Sequence]) -> tuple[list[float], list[int], list[f
     return ([s.params.temperature for s in seqs], [s.params.top_k for s in seqs], [s.params.top_p for s in seqs])
 
 
-def _critical_rows(seqs: list[Sequence], among: list[int] | None = None) -> list[tuple[int, int]]:
-    """(index, output length) of the rows (of `among`, indices, where given) with the most tokens left to their limit
-    (max_tokens or the context): with no request waiting, the batch only shrinks, and a rollout of rows that run to
-    their limit ends with these (StrategyBandit.update)."""
-    among = range(len(seqs)) if among is None else among
-    left = {i: seqs[i].max_total_len - seqs[i].num_tokens for i in among}
-    most = max(left.values())
-    return [(i, len(seqs[i].output_ids)) for i, n in left.items() if n == most]
+def _critical_rows(seqs: list[Sequence]) -> list[tuple[int, int]]:
+    """(index, output length) of the rows with the most tokens left to their limit (max_tokens or the context): with
+    no request waiting, the batch only shrinks, and a rollout of rows that run to their limit ends with these
+    (StrategyBandit.update)."""
+    left = [s.max_total_len - s.num_tokens for s in seqs]
+    most = max(left)
+    return [(i, len(s.output_ids)) for i, (s, n) in enumerate(zip(seqs, left)) if n == most]
