@@ -244,7 +244,7 @@ class SpecDecoder:
         self.st["gate_steps"] += 1
         self.st["spec_on_steps"] += arm.method != "off"
         if arm.method == "off":
-            asked = self._ask_ngram(seqs)
+            asked = self._ask_ngram(seqs, waiting)
             logits, hidden = self.engine.decode_forward(seqs)
             self.on_plain_decode(seqs, hidden)
             done = self.engine.sample_and_append(seqs, logits, hidden)
@@ -281,17 +281,18 @@ class SpecDecoder:
             self.bandit.update(len(seqs), arm, emitted, seconds, critical)
         return done
 
-    def _ask_ngram(self, seqs: list[Sequence]) -> tuple[bool, list[tuple[int, list[int]]]] | None:
+    def _ask_ngram(self, seqs: list[Sequence], waiting: bool) -> tuple[bool, list[tuple[int, list[int]]]] | None:
         """Before a plain step, ask the n-gram drafter for rows' next tokens (rows in turn): (whether the answers
-        watch for loops, [(row, guess)]) or None. A closed bucket asks about one row: a stretch where its guesses
-        would hold (a repetitive tail) brings its next probe nearer (StrategyBandit.shadow). An open one with no
-        request waiting asks about up to LOOP_ASKS rows: a row whose guesses keep holding loops, and n-gram drafts pay
-        there whatever the arm's window says (StrategyBandit.loop_shadow). A guess costs 20-120 us (docs/design.md
-        §6), a plain step on a 2-core CPU 10-30 ms."""
+        watch for loops, [(row, guess)]) or None; waiting: whether a request waits for a slot. A closed bucket asks
+        about one row: a stretch where its guesses would hold (a repetitive tail) brings its next probe nearer
+        (StrategyBandit.shadow). An open one with no request waiting asks about up to LOOP_ASKS rows: a row whose
+        guesses keep holding loops, and n-gram drafts pay there whatever the arm's window says
+        (StrategyBandit.loop_shadow). A guess costs 20-120 us (docs/design.md §6), a plain step on a 2-core CPU
+        10-30 ms."""
         n = len(seqs)
         if self.bandit.shadowing(n):
             loop, asks = False, 1
-        elif self.bandit.watching(n) and not self.engine.requests_waiting:
+        elif self.bandit.watching(n) and not waiting:
             loop, asks = True, min(n, LOOP_ASKS)
         else:
             return None
