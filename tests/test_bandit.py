@@ -779,8 +779,9 @@ def test_a_bucket_whose_retired_drafter_arms_have_few_steps_still_closes():
 def test_an_open_bucket_runs_its_n_gram_arm_while_a_row_loops():
     """The n-gram arm lost on average here (0.62 of a plain step's worth), so "off" is the greedy choice. When the
     n-gram drafter, asked before plain steps, guessed a row's next token `follow` (4) times in a row, the row loops,
-    and while a row of the batch loops the bucket runs the n-gram arm; a step where that row gains no drafted token
-    ends its loop, and so does its finishing, while a step with a request waiting (rows=None) does not follow.
+    and while a row of the batch loops the bucket runs the n-gram arm for the looping rows (`following`: the rows it
+    drafts for); a step where that row gains no drafted token ends its loop, and so does its finishing, while a step
+    with a request waiting (rows=None) does not follow.
     Controls: 3 hits, or 3 hits, a miss and 3 more, keep "off"; another row's hits do not count; a looping row outside
     the batch does not count; follow=0 never follows; a closed bucket asks nothing (its own shadow rule brings its
     probe nearer)."""
@@ -801,7 +802,8 @@ def test_an_open_bucket_runs_its_n_gram_arm_while_a_row_loops():
     assert bandit.select(1, [10, 11]) is OFF          # 3 hits for row 10, 1 for row 11: not yet
     bandit.loop_shadow(10, True)
     assert bandit.select(1, [10, 11]) is ngram        # the 4th: row 10 loops
-    assert bandit.select(1, None) is OFF             # a request waits: no following
+    assert bandit.following == {10}                  # the step drafts for row 10 only
+    assert bandit.select(1, None) is OFF and bandit.following is None  # a request waits: no following
     assert bandit.select(1, [11, 12]) is OFF         # row 10 is not in this batch
     bandit.loop_drafted({10: 4, 11: 1})              # row 10 gained 3 drafted tokens: it goes on looping
     assert bandit.select(1, [10, 11]) is ngram
@@ -811,7 +813,7 @@ def test_an_open_bucket_runs_its_n_gram_arm_while_a_row_loops():
     assert bandit.select(1, [10, 11]) is OFF
     for _ in range(4):
         bandit.loop_shadow(11, True)
-    assert bandit.select(1, [10, 11]) is ngram
+    assert bandit.select(1, [10, 11]) is ngram and bandit.following == {11}
     bandit.loop_end([11])                            # it finished
     assert bandit.select(1, [10, 11]) is OFF and bandit.loop_steps == 4 and bandit.streak == {}
 

@@ -533,3 +533,57 @@ def test_engine_same_bits_in_both_fp32_layouts(tiny_llama_dir):
             runs[wide] = _greedy(llm, prompts)
             assert any(k[1] == "small_gemm" for k in kernels._PACKED)  # the kernels served
     assert runs[False] == runs[True]
+
+
+@needs_small_gemm
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_forward_of_some_tree_nodes_is_the_full_forward_there(tiny_llama_dir, dtype):
+    """Decoder.forward_nodes (SD verification of drafts of unequal length: each needed token alone, one query row
+    at its sequence's cache slot) gives the needed tokens the hidden states and K/V the padded forward gives them,
+    bit for bit, and leaves the other tokens' cache positions as they were. Rows sit at cache slot 2 on, with
+    different cache lengths and 0-3 drafts; a row's slot read from the wrong row would change its bits."""
+    from tlt.device import cpu_has_avx512_bf16
+    from tlt.engine.kv_cache import KVCache
+    from tlt.speculative.verify import chain_to_tree, tree_layout
+    if dtype == "bfloat16" and not cpu_has_avx512_bf16():
+        pytest.skip("no AVX512-BF16: the fused bf16 layer does not serve here")
+    model = tlt.models.load_model(tiny_llama_dir, dtype=getattr(torch, dtype))
+    g = torch.Generator().manual_seed(0)
+    B, k, s0 = 6, 3, 2
+    kv = KVCache(model.cfg, num_slots=B + s0, dtype=model.embed_tokens.weight.dtype, device="cpu")
+    kv.ensure_capacity(64, slots=B + s0)
+    for t in kv.k + kv.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    lens = torch.randint(3, 40, (B,), generator=g)
+    drafts = torch.tensor([3, 0, 1, 2, 0, 3])
+    tokens, parents, valid = chain_to_tree(torch.randint(1, 128, (B,), generator=g),
+                                           torch.randint(1, 128, (B, k), generator=g), drafts)
+    mask, depths = tree_layout(parents, valid)
+    before = [t.clone() for t in kv.k + kv.v]
+
+    def run(nodes):
+        for t, b in zip(kv.k + kv.v, before):
+            t.copy_(b)
+        with torch.inference_mode():
+            view = kv.view(lens, slot_start=s0, tree_mask=mask)
+            out = model(tokens, lens[:, None] + depths, view) if nodes is None else \
+                model.forward_nodes(tokens, lens[:, None] + depths, view, nodes)
+        return out, [t.clone() for t in kv.k + kv.v]
+
+    full, full_kv = run(None)
+    some, some_kv = run(valid)
+    assert some is not None and some.shape == (int(valid.sum()), model.cfg.hidden_size)
+    assert torch.equal(some, full[valid])
+    b, t = valid.nonzero(as_tuple=True)
+    written = torch.zeros(B + s0, 64, dtype=torch.bool)
+    written[b + s0, lens[b] + t] = True
+    for got, want, old in zip(some_kv, full_kv, before):
+        assert torch.equal(got.transpose(1, 2)[written], want.transpose(1, 2)[written])
+        assert torch.equal(got.transpose(1, 2)[~written], old.transpose(1, 2)[~written])
+    # the full forward wrote the skipped tokens' K/V there
+    assert not torch.equal(full_kv[0].transpose(1, 2)[~written], before[0].transpose(1, 2)[~written])
+    with torch.inference_mode(), kernels.backend("torch"):  # no fused layer: the caller runs the full forward
+        assert model.forward_nodes(tokens, lens[:, None] + depths, kv.view(lens, s0, mask), valid) is None
+    model.attention_backend = "flex"  # nor where the full forward's attention would be FlexAttention's
+    with torch.inference_mode():
+        assert model.forward_nodes(tokens, lens[:, None] + depths, kv.view(lens, s0, mask), valid) is None

@@ -14,6 +14,7 @@ from tests.spec_util import quick_drafter
 from tests.stats_util import chi_square_pvalue, exact_joint
 from tlt.device import cpu_has_avx512_bf16
 from tlt.models import kernels, load_model
+from tlt.models.decoder import Decoder
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.drafter_io import load_drafter, save_drafter
 from tlt.speculative.spec_decoder import SpecDecoder
@@ -122,6 +123,36 @@ def test_seeded_sampling_identical_with_sd_on_or_off(sharp_llama, spec, dtype):
     assert [t for t, _ in same] == [t for t, _ in ref]
     assert [lp for _, lp in same] == [lp for _, lp in ref]
     assert [t for t, _ in flipped] != [t for t, _ in ref]  # the test can fail
+
+
+def test_n_gram_verification_computes_the_drafted_tokens_only_and_changes_nothing(sharp_llama, monkeypatch):
+    """An n-gram step's rows draft 0 to k tokens; its verify forward computes each row's root and drafts only
+    (Decoder.forward_nodes: the fused CPU layer, a query row a token), not the rows padded to the longest draft, and
+    a seeded rollout is plain decoding's, tokens and log-probs bit for bit."""
+    if kernels.small_gemm_lib() is None:
+        pytest.skip("no small-row kernel here: the verify forward runs padded")
+    model, _ = sharp_llama
+    forwards = []
+    forward_nodes = Decoder.forward_nodes
+
+    def spy(self, ids, positions, cache, nodes):
+        out = forward_nodes(self, ids, positions, cache, nodes)
+        forwards.append((int(nodes.sum()), nodes.numel(), out is not None))
+        return out
+    monkeypatch.setattr(Decoder, "forward_nodes", spy)
+    prompts = _prompts(128, n=5, seed=5)
+    params = tlt.SamplingParams(n=2, temperature=1.0, top_k=3, max_tokens=40, seed=11)
+    with kernels.backend("fused"):
+        ref = tlt.LLM(model, max_num_seqs=4).generate(prompts, params)
+        llm = tlt.LLM(model, max_num_seqs=4, speculative_config=NGRAM)
+        out = llm.generate(prompts, params)
+    assert forwards and all(served for *_, served in forwards)
+    assert sum(n for n, *_ in forwards) < 0.8 * sum(total for _, total, _ in forwards)  # padding left out
+    assert llm.stats()["spec_accept_length"] > 1.02, "too few drafts accepted to test"
+    got = [c for o in out for c in o.outputs]
+    want = [c for o in ref for c in o.outputs]
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.logprobs for c in got] == [c.logprobs for c in want]
 
 
 def _wrong_rule(p, tokens, parents, valid, rng):
@@ -487,6 +518,41 @@ def test_an_open_bucket_asks_the_n_gram_drafter_about_each_row_and_follows_its_l
         totals.update(g)
     assert [totals[k] for k in keys[0]] == [len(o) - 1 for o in outputs]  # the first token: the prefill's
     assert any(max(g.values()) > 1 for g in gains)  # drafts held
+
+
+def test_a_step_run_for_the_looping_rows_drafts_for_those_rows_only(sharp_llama):
+    """A step the bandit runs because rows loop (StrategyBandit.following: their keys) asks the n-gram drafter about
+    those rows only; the other rows take one token, and the outputs are plain decoding's. Control: a step chosen
+    for the arm's own sake (following None) drafts for every row."""
+    from tlt.speculative.bandit import Arm
+    model, drafter_dir = sharp_llama
+    prompts = [[5, 2, 5, 2, 5, 2], [3, 7, 1, 3, 7, 1, 3, 7]]
+    params = tlt.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in tlt.LLM(model).generate(prompts, params)]
+
+    def run(loops: bool):
+        llm = tlt.LLM(model, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=None))
+        spec, asked, chosen = llm.spec, [], []
+        spec.bandit.streak[-1] = 4  # a row of no batch: the steps pass their rows' keys
+        arm = Arm("ngram4", "ngram", 4, 1, 4)
+
+        def select(bs, rows=None):
+            spec.bandit.following = {rows[-1]} if loops else None  # the batch's last row loops
+            chosen.append(spec.bandit.following)
+            return arm
+        spec.bandit.select = select
+        propose = spec.ngram.propose
+        spec.ngram.propose = lambda seq_id, k=None: asked.append((len(chosen), seq_id)) or propose(seq_id, k)
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        return outputs, asked, chosen
+
+    outputs, asked, chosen = run(loops=True)
+    assert outputs == ref and asked
+    assert all(seq_id in chosen[step - 1] for step, seq_id in asked)
+    assert len({seq_id for _, seq_id in asked}) == 2  # the batch's last row, drafting, finishes first; then the other
+    outputs, asked, chosen = run(loops=False)
+    assert outputs == ref and all(f is None for f in chosen)
+    assert Counter(step for step, _ in asked)[1] == 2  # both rows drafted at the first step
 
 
 def test_no_row_is_asked_about_or_followed_while_a_request_waits_and_the_asks_go_round(sharp_llama):

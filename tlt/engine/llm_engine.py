@@ -176,14 +176,16 @@ class LLMEngine:
         return self.runner.decode(seqs)
 
     def tree_forward(self, seqs: list[Sequence], tokens: torch.Tensor, depths: torch.Tensor,
-                     mask: torch.Tensor | None) -> torch.Tensor:
+                     mask: torch.Tensor | None, nodes: torch.Tensor | None = None) -> torch.Tensor:
         """The target's forward over T candidate tokens per row placed after each row's cache (SD verification):
         tokens, depths [B, T] (position = num_cached + depth), mask [B, T, T] among them (None = causal) ->
-        hidden [B, T, H]. Their K/V land at num_cached + node index; commit_kv moves the accepted ones."""
+        hidden [B, T, H]. Their K/V land at num_cached + node index; commit_kv moves the accepted ones. nodes [B, T]
+        bool: only these tokens are needed (each one's ancestors among them); where the model can compute them
+        alone (ModelRunner.cached_forward) the others are not computed and their hidden states are zeros."""
         lens = [s.num_cached for s in seqs]
         self.kv.ensure_capacity(max(lens) + tokens.shape[1] + 1)
         n = host_tensor(lens, tokens.device)
-        return self.runner.cached_forward(tokens, n[:, None] + depths, n, mask)
+        return self.runner.cached_forward(tokens, n[:, None] + depths, n, mask, nodes)
 
     def commit_kv(self, seqs: list[Sequence], paths: list[list[int]]) -> None:
         """After tree_forward: move each row's accepted nodes (path, node indices from the root) to consecutive

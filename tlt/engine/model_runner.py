@@ -92,13 +92,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def cached_forward(self, ids: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
-                       tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                       tree_mask: torch.Tensor | None = None, nodes: torch.Tensor | None = None) -> torch.Tensor:
         """A few new tokens a row over the cache (decode, SD verification): ids, positions [B, T], lens [B] cached
         tokens before them, tree_mask [B, T, T] or None (causal) -> last hidden state [B, T, H]; through a captured
-        graph where one serves."""
+        graph where one serves. nodes [B, T] bool (eager forwards): the tokens needed; where the model computes them
+        alone (Decoder.forward_nodes, the fused CPU layer) only those run, and the others' hidden states are zeros."""
         if self.graphs is not None and self.graphs.serves(*ids.shape):
             return self.graphs.forward(ids, positions, lens, tree_mask)
-        return self.model(ids, positions, self.kv.view(lens, tree_mask=tree_mask))
+        view = self.kv.view(lens, tree_mask=tree_mask)
+        if nodes is not None and (some := self.model.forward_nodes(ids, positions, view, nodes)) is not None:
+            hidden = some.new_zeros(*ids.shape, some.shape[-1])
+            hidden[nodes] = some
+            return hidden
+        return self.model(ids, positions, view)
 
     def move_positions(self, rows: list[int], src: list[int], dst: list[int]) -> None:
         """KVCache.move_positions (SD's commit), through a captured graph where the forwards use them."""

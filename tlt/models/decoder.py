@@ -333,6 +333,32 @@ class Decoder(nn.Module):
             x = layer(x, cos, sin, mask, cache, plan)
         return self.norm(x)
 
+    def forward_nodes(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: CacheView,
+                      nodes: torch.Tensor) -> torch.Tensor | None:
+        """A cached forward of some of the new tokens only: input_ids, positions [B, T] and cache (with its tree_mask)
+        as for `forward`, nodes [B, T] bool, the tokens to compute (every ancestor of one among them) -> last hidden
+        state [N, H] of those tokens in row-major order, their K/V written as `forward` writes them (the others'
+        positions are left as they were and masked out); None where the fused CPU layer does not serve (then run
+        `forward`). Each token is computed alone as one query row at its sequence's cache slot, so its arithmetic,
+        and its bits, are the ones it gets in `forward`: the fused layer's matmul and attention kernels compute every
+        row alone. Verification of drafts of unequal length (n-gram rows with shorter or no drafts) then costs the N
+        tokens drafted instead of B * T (docs/design.md §9)."""
+        B, T = input_ids.shape
+        b, t = nodes.nonzero(as_tuple=True)
+        x = self.embed_tokens(input_ids[b, t])[:, None]  # [N, 1, H]
+        if T > SMALL_QUERY_CPU or self._flex(cache, T) or not all(decode_layer_ok(x, layer.weights(), cache.k[0])
+                                                                  for layer in self.layers):
+            return None
+        _, full = cache_mask(cache, T, input_ids.device)  # the padded forward's plan, one query row a token
+        slots = b + cache.slot_start
+        cos, sin = self.rotary(positions[b, t][:, None], x.dtype)
+        plan = CachePlan(slots[:, None], full.cols[b, t][:, None], full.length, full.bias[b, :, :, t][:, :, :, None],
+                         full.n_keys[b])
+        plan.fused_inputs = layer_inputs(cos, sin, plan.cols, plan.n_keys, plan.bias, slots)
+        for layer in self.layers:
+            x = layer(x, cos, sin, None, cache, plan)
+        return self.norm(x)[:, 0]
+
     def _flex(self, cache: CacheView, T: int) -> bool:
         return self.attention_backend == "flex" and T <= FLEX_MAX_QUERY and (self.flex_in_graphs or not cache.static)
 

@@ -136,10 +136,10 @@ def small_gemm_lib():
             lib.tlt_fp32_set_layout.argtypes = [i32]
             lib.tlt_small_gemm.argtypes = [vp, i32, i32, vp, i32, vp, vp, i32]
             i64 = ctypes.c_int64
-            lib.tlt_cached_attention.argtypes = [vp, i64, i64, i64, vp, vp, i32, vp, vp, vp, i32, i32, i32, i32, i32,
-                                                 ctypes.c_float, i32]
+            lib.tlt_cached_attention.argtypes = [vp, i64, i64, i64, vp, vp, i32, vp, vp, vp, vp, i32, i32, i32, i32,
+                                                 i32, ctypes.c_float, i32]
             lib.tlt_decode_layer.argtypes = [vp, vp, *[i32] * 7, *[vp] * 4, ctypes.c_float, *[vp] * 7, vp, vp, i32,
-                                             i32, vp, vp, vp, vp, i32]
+                                             i32, vp, vp, vp, vp, vp, i32]
             lib.tlt_token_logprobs.argtypes = [vp, i32, i32, vp, vp, vp, i32]
             lib.tlt_greedy_logprobs.argtypes = [vp, i32, i32, vp, vp, i32]
             lib.tlt_pack_bf16.argtypes = [vp, i32, i32, vp]
@@ -299,8 +299,8 @@ def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
     n_keys = n_keys.to(torch.int64).contiguous()
     out = torch.empty(B, T, nh, D, dtype=q.dtype)
     small_gemm_lib().tlt_cached_attention(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(),
-                                          v.data_ptr(), C, n_keys.data_ptr(), bias.data_ptr(), out.data_ptr(), B, T,
-                                          nh, nkv, D, D ** -0.5, torch.get_num_threads())
+                                          v.data_ptr(), C, None, n_keys.data_ptr(), bias.data_ptr(), out.data_ptr(),
+                                          B, T, nh, nkv, D, D ** -0.5, torch.get_num_threads())
     return out
 
 
@@ -367,12 +367,14 @@ class LayerInputs:
     cols: torch.Tensor        # [B, T] int64 cache positions of the new tokens
     n_keys: torch.Tensor      # [B] int64
     bias: torch.Tensor        # [B, 1, 1, T, cap] fp32 0 / -inf
+    slots: torch.Tensor | None = None  # [B] int64 cache slot of each row; None: slot_start + b
 
 
 def layer_inputs(cos: torch.Tensor, signed_sin: torch.Tensor, cols: torch.Tensor, n_keys: torch.Tensor,
-                 bias: torch.Tensor) -> LayerInputs:
+                 bias: torch.Tensor, slots: torch.Tensor | None = None) -> LayerInputs:
     return LayerInputs(cos.float().contiguous(), signed_sin.float().contiguous(), cols.to(torch.int64).contiguous(),
-                       n_keys.to(torch.int64).contiguous(), bias.float().contiguous())
+                       n_keys.to(torch.int64).contiguous(), bias.float().contiguous(),
+                       None if slots is None else slots.to(torch.int64).contiguous())
 
 
 def decode_layer_ok(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor) -> bool:
@@ -390,10 +392,10 @@ def decode_layer_ok(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor) -> 
 def decode_layer(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_start: int,
                  inp: LayerInputs) -> torch.Tensor:
     """A whole decoder layer for x [B, T, H] in one kernel call (csrc/decode_layer.c), writing this step's K/V into
-    the slot cache [S, nkv, cap, D] at slot slot_start + b, positions inp.cols; n_keys and the mask bias as for
-    `small_query_attention`. Same arithmetic as the layer's torch ops with tlt's matmul and attention kernels, up
-    to the order of rms_norm's sum and silu's exp (~1e-6 of the output's scale). In bf16 (x, weights and cache),
-    fp32 between the matmuls: see csrc/decode_layer.c."""
+    the slot cache [S, nkv, cap, D] at slot slot_start + b (inp.slots[b] where given), positions inp.cols; n_keys
+    and the mask bias as for `small_query_attention`. Same arithmetic as the layer's torch ops with tlt's matmul and
+    attention kernels, up to the order of rms_norm's sum and silu's exp (~1e-6 of the output's scale). In bf16 (x,
+    weights and cache), fp32 between the matmuls: see csrc/decode_layer.c."""
     B, T, H = x.shape
     nh, nkv, D = w.num_heads, w.num_kv_heads, k_cache.shape[-1]
     inter = w.down.shape[1]
@@ -413,5 +415,6 @@ def decode_layer(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor, v_cach
        ptr(w.k_norm), w.eps, _packed(w.qkv, path).data_ptr(), ptr(qkv_bias), _packed(w.o, path).data_ptr(),
        _packed(w.gate_up, path).data_ptr(), _packed(w.down, path).data_ptr(), inp.cos.data_ptr(),
        inp.signed_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], slot_start,
-       inp.cols.data_ptr(), inp.n_keys.data_ptr(), inp.bias.data_ptr(), work.data_ptr(), torch.get_num_threads())
+       ptr(inp.slots), inp.cols.data_ptr(), inp.n_keys.data_ptr(), inp.bias.data_ptr(), work.data_ptr(),
+       torch.get_num_threads())
     return out

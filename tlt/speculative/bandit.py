@@ -307,6 +307,9 @@ class StrategyBandit:
         self._ngram_arm = [next((a for a in bucket if a.method == "ngram"), None) for bucket in self.arms]
         self.streak: dict[int, int] = {}
         self.loop_steps = 0                             # n-gram steps chosen that way, all buckets
+        # the rows that loop where the latest `select` chose the n-gram arm for them (its caller drafts for those
+        # rows only: the step is theirs), else None
+        self.following: set[int] | None = None
         # per bucket: whether its learned-drafter arms are retired (they did not pay there; `_update_retired`),
         # the accept-length growth published since, the drafter steps recorded since they (re)opened, and the steps
         # and seconds decoded there since they retired with the seconds at which they are probed again
@@ -327,6 +330,7 @@ class StrategyBandit:
         b = self.bucket(batch_size)
         arms = self._active(b)
         untried = self._untried(b)
+        self.following = None
         if self.closed[b]:
             arm = self.off[b]  # a bucket closes only where it has an "off" arm
         elif untried:
@@ -339,6 +343,7 @@ class StrategyBandit:
             else:
                 arm = self._ngram_arm[b]
                 self.loop_steps += 1
+                self.following = {r for r in rows if self.streak.get(r, 0) >= self.follow}
         elif self.rng.random() < self.epsilon * self.window / (self.window + self.since_forget[b]):
             best = self._best(b)
             live = [a for a in arms if not self._dominated(b, a.name, best)]

@@ -260,7 +260,7 @@ class SpecDecoder:
         else:
             self._speculating = True
             try:
-                done, emitted = self._speculate(seqs, arm, bucket)
+                done, emitted = self._speculate(seqs, arm, bucket, self.bandit.following)
             finally:
                 self._speculating = False
             if before is not None:  # which rows' loops the step's drafts kept
@@ -300,20 +300,28 @@ class SpecDecoder:
         self._ask_turn = rows[-1]
         return loop, [(i, self.ngram.propose(seqs[i].seq_id, 1)) for i in rows]
 
-    def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str) -> tuple[list[Sequence], int]:
+    def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str,
+                   only: set[int] | None = None) -> tuple[list[Sequence], int]:
+        """One SD step of `arm`; only: the rows (seq_ids) an n-gram step drafts for (a step run for the rows that
+        loop, StrategyBandit.following: the others' drafts would cost verification where it pays for itself only
+        at the looping rows), None = every row."""
         eng, dev = self.engine, self.engine.device
         t0 = time.perf_counter()
         # host-to-device copies that wait for nothing (host_tensor) throughout the step
         n, roots = host_tensor([[s.num_cached for s in seqs], [s.last_token for s in seqs]], dev)  # n: last token's pos
         temp = host_tensor([s.params.temperature for s in seqs], dev)
         gens = [s.generator for s in seqs]
+        nodes = None  # the verify forward's tokens where not all are (n-gram rows with shorter or no drafts)
         if arm.method == "ngram":
-            props = [self.ngram.propose(s.seq_id, arm.num_draft_tokens) for s in seqs]
+            props = [self.ngram.propose(s.seq_id, arm.num_draft_tokens) if only is None or s.seq_id in only else []
+                     for s in seqs]
             k = max(1, max(map(len, props)))
             draft = host_tensor([p + [0] * (k - len(p)) for p in props], dev)
             tokens, parents, valid = chain_to_tree(roots, draft, host_tensor([len(p) for p in props], dev))
             q = None
             mask, depths = tree_layout(parents, valid)
+            if dev.type == "cpu" and any(len(p) < k for p in props):  # (a GPU's forwards and walk are graphed)
+                nodes = valid
         else:
             t_catchup = time.perf_counter()
             root_pred = self._drafter_catch_up(seqs)
@@ -323,12 +331,11 @@ class SpecDecoder:
             mask, depths = drafted.mask, drafted.depths  # a drafted tree has every node valid
             valid = torch.ones_like(tokens, dtype=torch.bool)
         t1 = time.perf_counter()
-        hidden = self._verify_forward(seqs, tokens, mask, depths)
+        hidden = self._verify_forward(seqs, tokens, mask, depths, nodes)
         if self._walks_on_device(gens, q):
             result, lps = self._device_walk(seqs, arm, hidden, q, tokens, parents, valid, gens)
         else:
-            logits = self.model.logits(hidden)
-            p = self._target_probs(seqs, logits)
+            logits, p = self._target_logits_probs(seqs, hidden, nodes)
             if q is not None:  # drafts drawn from q: Leviathan/Chen rejection sampling
                 result = self.stochastic_verify_fn(p, q, tokens, parents, valid, gens)
             else:
@@ -417,8 +424,8 @@ class SpecDecoder:
         return DraftStep(tree, mask, depths)
 
     @torch.inference_mode()
-    def _verify_forward(self, seqs, tokens, mask, depths) -> torch.Tensor:
-        return self.engine.tree_forward(seqs, tokens, depths, mask)
+    def _verify_forward(self, seqs, tokens, mask, depths, nodes=None) -> torch.Tensor:
+        return self.engine.tree_forward(seqs, tokens, depths, mask, nodes)
 
     def _walks_on_device(self, gens, q) -> bool:
         """The graphed walk stands in for the default rules only (tests inject others), with a generator a row."""
@@ -440,14 +447,24 @@ class SpecDecoder:
                                            host_tensor(top_p, hidden.device, torch.float32), reserved.u, q)
         return read(walk, lp, reserved)
 
-    def _target_probs(self, seqs, logits: torch.Tensor) -> torch.Tensor:
-        B, N, V = logits.shape
-        dev = logits.device
-        rep = lambda xs: host_tensor(xs, dev).repeat_interleave(N)  # noqa: E731  per node
+    def _target_logits_probs(self, seqs, hidden: torch.Tensor,
+                             nodes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's logits and probabilities [B, N, V] at the verify forward's nodes (hidden [B, N, H]); with
+        `nodes`, at those only, the rest of both tensors left unwritten (the walk and the log-probs read only nodes
+        the walk visits, all among them)."""
+        B, N, _ = hidden.shape
         temp, top_k, top_p = _sampling_rows(seqs)
-        p = transform_logits(logits.view(B * N, V), rep(temp), rep(top_k), rep(top_p),
+        logits = self.model.logits(hidden.flatten(0, 1) if nodes is None else hidden[nodes])
+        per_node = N if nodes is None else nodes.sum(1)
+        rows = lambda xs: host_tensor(xs, hidden.device).repeat_interleave(per_node)  # noqa: E731
+        V = logits.shape[-1]
+        p = transform_logits(logits, rows(temp), rows(top_k), rows(top_p),
                              HostRows.of(temp, top_k, top_p, V))  # nothing read from the device
-        return p.view(B, N, V)
+        if nodes is None:
+            return logits.view(B, N, V), p.view(B, N, V)
+        all_logits, all_p = logits.new_empty(B, N, V), p.new_empty(B, N, V)
+        all_logits[nodes], all_p[nodes] = logits, p
+        return all_logits, all_p
 
     @staticmethod
     def _kept_states(hidden: torch.Tensor, paths: list[list[int]]) -> list[torch.Tensor]:

@@ -83,11 +83,12 @@ static void ONE_HEAD(const float* q, int64_t q_st, int64_t q_sh, const KV_T* k, 
     }
 }
 
-// q: [B, T, nh, D] with strides (q_sb, q_st, q_sh, 1); k, v: [B, nkv, cap, D] contiguous; n_keys: [B];
-// bias: [B, T, cap] contiguous; out: [B, T, nh, D] contiguous. D must be a multiple of 8, at most 256.
+// q: [B, T, nh, D] with strides (q_sb, q_st, q_sh, 1); k, v: [slots, nkv, cap, D] contiguous, row b's at slot
+// slots[b] (b where slots is NULL); n_keys: [B]; bias: [B, T, cap] contiguous; out: [B, T, nh, D] contiguous. D must
+// be a multiple of 8, at most 256.
 void CACHED_ATTENTION(const float* q, int64_t q_sb, int64_t q_st, int64_t q_sh, const KV_T* k, const KV_T* v,
-                          int cap, const int64_t* n_keys, const float* bias, float* out, int B, int T, int nh,
-                          int nkv, int D, float scale, int threads) {
+                          int cap, const int64_t* slots, const int64_t* n_keys, const float* bias, float* out, int B,
+                          int T, int nh, int nkv, int D, float scale, int threads) {
     int g = nh / nkv;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -95,7 +96,7 @@ void CACHED_ATTENTION(const float* q, int64_t q_sb, int64_t q_st, int64_t q_sh, 
 #pragma omp for schedule(dynamic)
         for (int task = 0; task < B * nkv; task++) {
             int b = task / nkv, kh = task % nkv;
-            int64_t kv_off = ((int64_t)b * nkv + kh) * cap * D;
+            int64_t kv_off = ((slots ? slots[b] : (int64_t)b) * nkv + kh) * cap * D;
             int n = (int)(n_keys[b] < cap ? n_keys[b] : cap);
             ONE_HEAD(q + b * q_sb, q_st, q_sh, k + kv_off, v + kv_off, n, bias + (int64_t)b * T * cap, cap,
                      out + (int64_t)b * T * nh * D, (int64_t)nh * D, T, g, kh * g, D, scale, s);

@@ -4,7 +4,8 @@
 // per-op overhead (dispatch, allocation, ctypes) rather than in reading weights.
 //   h = rms_norm(x) * ln1 (skipped when ln1 is NULL: the drafter's layer)       [M, H]
 //   q, k, v = h @ Wqkv^T (+ bqkv); q, k = rms_norm per head * q_norm / k_norm (Qwen3, when given), then rotary
-//   k, v -> cache slot s0 + m / T, position cols[m]; a = attention(q, cache, bias, n_keys)
+//   k, v -> cache slot s0 + m / T (slots[m / T] where slots is given), position cols[m];
+//   a = attention(q, cache, bias, n_keys)
 //   x' = x + a @ Wo^T;  x' += (silu(g) * u) @ Wd^T  where  g, u = rms_norm(x') * ln2 @ Wgu^T
 // Rows m = b * T + t. Weights are packed by tlt_pack; cos / ssin are [M, D] (ssin = [-sin, sin], see _rotate).
 // work holds M * ((nh + 2 nkv) D + nh D + 2 H + 3 I) floats.
@@ -17,8 +18,8 @@
 void tlt_small_gemm(const float* x, int M, int K, const float* packed, int N, const float* bias, float* y,
                     int threads);
 void tlt_cached_attention(const float* q, int64_t q_sb, int64_t q_st, int64_t q_sh, const float* k, const float* v,
-                          int cap, const int64_t* n_keys, const float* bias, float* out, int B, int T, int nh,
-                          int nkv, int D, float scale, int threads);
+                          int cap, const int64_t* slots, const int64_t* n_keys, const float* bias, float* out, int B,
+                          int T, int nh, int nkv, int D, float scale, int threads);
 
 // y = w * (x * rsqrt(mean(x^2) + eps)), torch's rms_norm then the weight, over n floats (n % 8 == 0).
 static void rms_norm(const float* x, const float* w, int n, float eps, float* y) {
@@ -76,7 +77,8 @@ void tlt_decode_layer(float* x_out, const float* x_in, int M, int T, int H, int 
                       const float* ln1, const float* ln2, const float* q_norm, const float* k_norm, float eps,
                       const float* wqkv, const float* bqkv, const float* wo, const float* wgu, const float* wd,
                       const float* cos, const float* ssin, float* k_cache, float* v_cache, int cap, int s0,
-                      const int64_t* cols, const int64_t* n_keys, const float* bias, float* work, int threads) {
+                      const int64_t* slots, const int64_t* cols, const int64_t* n_keys, const float* bias, float* work,
+                      int threads) {
     const int W = (nh + 2 * nkv) * D, B = M / T;
     float *qkv = work, *attn = qkv + (size_t)M * W, *h = attn + (size_t)M * nh * D, *tmp = h + (size_t)M * H;
     float *gu = tmp + (size_t)M * H, *act = gu + (size_t)M * 2 * I;
@@ -92,16 +94,16 @@ void tlt_decode_layer(float* x_out, const float* x_in, int M, int T, int H, int 
     for (int m = 0; m < M; m++) {
         float* row = qkv + (size_t)m * W;
         norm_rotate(row, nh, nkv, D, q_norm, k_norm, eps, cos + (size_t)m * D, ssin + (size_t)m * D);
-        int64_t slot = s0 + m / T, col = cols[m];
+        int64_t slot = slots ? slots[m / T] : s0 + m / T, col = cols[m];
         for (int kh = 0; kh < nkv; kh++) {
             size_t at = (((size_t)slot * nkv + kh) * cap + (size_t)col) * D;
             memcpy(k_cache + at, row + (size_t)(nh + kh) * D, sizeof(float) * D);
             memcpy(v_cache + at, row + (size_t)(nh + nkv + kh) * D, sizeof(float) * D);
         }
     }
-    size_t slot0 = (size_t)s0 * nkv * cap * D;
-    tlt_cached_attention(qkv, (int64_t)T * W, W, D, k_cache + slot0, v_cache + slot0, cap, n_keys, bias, attn, B, T,
-                         nh, nkv, D, 1.0f / sqrtf((float)D), threads);
+    size_t slot0 = slots ? 0 : (size_t)s0 * nkv * cap * D;
+    tlt_cached_attention(qkv, (int64_t)T * W, W, D, k_cache + slot0, v_cache + slot0, cap, slots, n_keys, bias, attn,
+                         B, T, nh, nkv, D, 1.0f / sqrtf((float)D), threads);
 
     tlt_small_gemm(attn, M, nh * D, wo, H, NULL, tmp, threads);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
@@ -125,8 +127,9 @@ void tlt_small_gemm_bf16(const uint16_t* x, int M, int K, int64_t xs, const uint
                          const float* bias, float* y32, uint16_t* y16, int threads);
 void tlt_f32_to_bf16(const float* x, int64_t n, uint16_t* y);
 void tlt_cached_attention_bf16kv(const float* q, int64_t q_sb, int64_t q_st, int64_t q_sh, const uint16_t* k,
-                                 const uint16_t* v, int cap, const int64_t* n_keys, const float* bias, float* out,
-                                 int B, int T, int nh, int nkv, int D, float scale, int threads);
+                                 const uint16_t* v, int cap, const int64_t* slots, const int64_t* n_keys,
+                                 const float* bias, float* out, int B, int T, int nh, int nkv, int D, float scale,
+                                 int threads);
 
 static void bf16_to_f32(const uint16_t* x, size_t n, float* y) {
     size_t i = 0;
@@ -152,7 +155,8 @@ void tlt_decode_layer_bf16(uint16_t* x_out, const uint16_t* x_in, int M, int T, 
                            const uint16_t* k_norm, float eps, const uint16_t* wqkv, const float* bqkv,
                            const uint16_t* wo, const uint16_t* wgu, const uint16_t* wd, const float* cos,
                            const float* ssin, uint16_t* k_cache, uint16_t* v_cache, int cap, int s0,
-                           const int64_t* cols, const int64_t* n_keys, const float* bias, float* work, int threads) {
+                           const int64_t* slots, const int64_t* cols, const int64_t* n_keys, const float* bias,
+                           float* work, int threads) {
     const int W = (nh + 2 * nkv) * D, B = M / T;
     float *qkv = work, *attn = qkv + (size_t)M * W, *h = attn + (size_t)M * nh * D, *tmp = h + (size_t)M * H;
     float *gu = tmp + (size_t)M * H, *act = gu + (size_t)M * 2 * I, *x = act + (size_t)M * I;
@@ -177,16 +181,16 @@ void tlt_decode_layer_bf16(uint16_t* x_out, const uint16_t* x_in, int M, int T, 
         float* row = qkv + (size_t)m * W;
         norm_rotate(row, nh, nkv, D, q_norm ? wq : NULL, k_norm ? wk : NULL, eps, cos + (size_t)m * D,
                     ssin + (size_t)m * D);
-        int64_t slot = s0 + m / T, col = cols[m];
+        int64_t slot = slots ? slots[m / T] : s0 + m / T, col = cols[m];
         for (int kh = 0; kh < nkv; kh++) {
             size_t at = (((size_t)slot * nkv + kh) * cap + (size_t)col) * D;
             tlt_f32_to_bf16(row + (size_t)(nh + kh) * D, D, k_cache + at);
             tlt_f32_to_bf16(row + (size_t)(nh + nkv + kh) * D, D, v_cache + at);
         }
     }
-    size_t slot0 = (size_t)s0 * nkv * cap * D;
-    tlt_cached_attention_bf16kv(qkv, (int64_t)T * W, W, D, k_cache + slot0, v_cache + slot0, cap, n_keys, bias, attn,
-                                B, T, nh, nkv, D, 1.0f / sqrtf((float)D), threads);
+    size_t slot0 = slots ? 0 : (size_t)s0 * nkv * cap * D;
+    tlt_cached_attention_bf16kv(qkv, (int64_t)T * W, W, D, k_cache + slot0, v_cache + slot0, cap, slots, n_keys,
+                                bias, attn, B, T, nh, nkv, D, 1.0f / sqrtf((float)D), threads);
 
     gemm_bf16(attn, M, nh * D, xb, wo, H, NULL, tmp, threads);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
