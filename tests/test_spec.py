@@ -141,7 +141,10 @@ def test_n_gram_verification_computes_the_drafted_tokens_only_and_changes_nothin
         return out
     monkeypatch.setattr(Decoder, "forward_nodes", spy)
     prompts = _prompts(128, n=5, seed=5)
-    params = tlt.SamplingParams(n=2, temperature=1.0, top_k=3, max_tokens=40, seed=11)
+    # rows of different sampling settings: each node's distribution is its own row's
+    params = [tlt.SamplingParams(n=2, max_tokens=40, seed=11 + i, **kw) for i, kw in enumerate(
+        [dict(temperature=1.0, top_k=3), dict(temperature=0.0), dict(temperature=0.8, top_p=0.9),
+         dict(temperature=1.0, top_k=3), dict(temperature=0.7)])]
     with kernels.backend("fused"):
         ref = tlt.LLM(model, max_num_seqs=4).generate(prompts, params)
         llm = tlt.LLM(model, max_num_seqs=4, speculative_config=NGRAM)
@@ -522,8 +525,9 @@ def test_an_open_bucket_asks_the_n_gram_drafter_about_each_row_and_follows_its_l
 
 def test_a_step_run_for_the_looping_rows_drafts_for_those_rows_only(sharp_llama):
     """A step the bandit runs because rows loop (StrategyBandit.following: their keys) asks the n-gram drafter about
-    those rows only; the other rows take one token, and the outputs are plain decoding's. Control: a step chosen
-    for the arm's own sake (following None) drafts for every row."""
+    those rows only, and tells the loop counts (`loop_drafted`) of those rows only (another row gains one token,
+    which says nothing of its loop); the outputs are plain decoding's. Control: a step chosen for the arm's own sake
+    (following None) drafts for, and tells of, every row."""
     from tlt.speculative.bandit import Arm
     model, drafter_dir = sharp_llama
     prompts = [[5, 2, 5, 2, 5, 2], [3, 7, 1, 3, 7, 1, 3, 7]]
@@ -532,7 +536,8 @@ def test_a_step_run_for_the_looping_rows_drafts_for_those_rows_only(sharp_llama)
 
     def run(loops: bool):
         llm = tlt.LLM(model, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=None))
-        spec, asked, chosen = llm.spec, [], []
+        spec, asked, chosen, told = llm.spec, [], [], []
+        spec.bandit.loop_drafted = lambda gains: told.append(set(gains))
         spec.bandit.streak[-1] = 4  # a row of no batch: the steps pass their rows' keys
         arm = Arm("ngram4", "ngram", 4, 1, 4)
 
@@ -544,14 +549,15 @@ def test_a_step_run_for_the_looping_rows_drafts_for_those_rows_only(sharp_llama)
         propose = spec.ngram.propose
         spec.ngram.propose = lambda seq_id, k=None: asked.append((len(chosen), seq_id)) or propose(seq_id, k)
         outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        return outputs, asked, chosen
+        return outputs, asked, chosen, told
 
-    outputs, asked, chosen = run(loops=True)
+    outputs, asked, chosen, told = run(loops=True)
     assert outputs == ref and asked
     assert all(seq_id in chosen[step - 1] for step, seq_id in asked)
+    assert told == chosen  # the loop counts hear of the rows drafted for only: the other row's count is kept
     assert len({seq_id for _, seq_id in asked}) == 2  # the batch's last row, drafting, finishes first; then the other
-    outputs, asked, chosen = run(loops=False)
-    assert outputs == ref and all(f is None for f in chosen)
+    outputs, asked, chosen, told = run(loops=False)
+    assert outputs == ref and all(f is None for f in chosen) and len(told[0]) == 2
     assert Counter(step for step, _ in asked)[1] == 2  # both rows drafted at the first step
 
 

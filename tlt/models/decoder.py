@@ -336,13 +336,15 @@ class Decoder(nn.Module):
     def forward_nodes(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: CacheView,
                       nodes: torch.Tensor) -> torch.Tensor | None:
         """A cached forward of some of the new tokens only: input_ids, positions [B, T] and cache (with its tree_mask)
-        as for `forward`, nodes [B, T] bool, the tokens to compute (every ancestor of one among them) -> last hidden
-        state [N, H] of those tokens in row-major order, their K/V written as `forward` writes them (the others'
-        positions are left as they were and masked out); None where the fused CPU layer does not serve (then run
-        `forward`). Each token is computed alone as one query row at its sequence's cache slot, so its arithmetic,
-        and its bits, are the ones it gets in `forward`: the fused layer's matmul and attention kernels compute every
-        row alone. Verification of drafts of unequal length (n-gram rows with shorter or no drafts) then costs the N
-        tokens drafted instead of B * T (docs/design.md §9)."""
+        as for `forward`, nodes [B, T] bool, the tokens to compute (every ancestor of one among them: the tree mask
+        lets a token see its ancestors, whose K/V must be this step's) -> last hidden state [N, H] of those tokens in
+        row-major order, their K/V written as `forward` writes them; the others' cache positions keep what they held
+        (finite values, as the zero-filled KVCache's are: the attention kernel skips masked keys by their score) and
+        are masked out. None where the fused CPU layer does not serve (then run `forward`). Each token is computed
+        alone as one query row at its sequence's cache slot, with the fused layer's kernels, which compute every row
+        alone: its bits are those plain decoding's rows get, and `forward`'s wherever that runs the fused layer (up
+        to 512 rows). Verification of drafts of unequal length (n-gram rows with shorter or no drafts) then costs the
+        N tokens drafted instead of B * T (docs/design.md §9)."""
         B, T = input_ids.shape
         b, t = nodes.nonzero(as_tuple=True)
         x = self.embed_tokens(input_ids[b, t])[:, None]  # [N, 1, H]

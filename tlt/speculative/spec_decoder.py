@@ -258,13 +258,15 @@ class SpecDecoder:
                     else:
                         self.bandit.shadow(len(seqs), hit)
         else:
+            only = self.bandit.following  # a step run for the looping rows drafts for them alone
             self._speculating = True
             try:
-                done, emitted = self._speculate(seqs, arm, bucket, self.bandit.following)
+                done, emitted = self._speculate(seqs, arm, bucket, only)
             finally:
                 self._speculating = False
-            if before is not None:  # which rows' loops the step's drafts kept
-                self.bandit.loop_drafted({s.seq_id: len(s.output_ids) - b for s, b in zip(seqs, before)})
+            if before is not None:  # which rows' loops the step's drafts kept (a row it drafted nothing for: no news)
+                self.bandit.loop_drafted({s.seq_id: len(s.output_ids) - b for s, b in zip(seqs, before)
+                                          if only is None or s.seq_id in only})
         # a step that captured a CUDA graph (~10-100 plain steps, once) says nothing of the arm; nor does the n-gram
         # index's catch-up on the tokens its pools gained since an n-gram step last read them (all of them, prompts
         # included, at a sequence's first)
