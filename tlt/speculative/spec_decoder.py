@@ -305,8 +305,8 @@ class SpecDecoder:
     def _speculate(self, seqs: list[Sequence], arm: Arm, bucket: str,
                    only: set[int] | None = None) -> tuple[list[Sequence], int]:
         """One SD step of `arm`; only: the rows (seq_ids) an n-gram step drafts for (a step run for the rows that
-        loop, StrategyBandit.following: the others' drafts would cost verification where it pays for itself only
-        at the looping rows), None = every row."""
+        loop, StrategyBandit.following: the step is theirs, and the others' drafts would only add verification),
+        None = every row."""
         eng, dev = self.engine, self.engine.device
         t0 = time.perf_counter()
         # host-to-device copies that wait for nothing (host_tensor) throughout the step
