@@ -193,9 +193,9 @@ def test_catch_up_beside_a_new_row_keeps_the_drafter_cache(tiny_llama_dir, cpu_d
         spec.catch_up_chunk = 10**9
     grown, ensure = [], spec.dcache.ensure_capacity
 
-    def watched(length, slots=None):
+    def watched(length, slots=None, limit=None):
         before = spec.dcache.capacity
-        ensure(length, slots)
+        ensure(length, slots, limit)
         grown.append(spec.dcache.capacity > before > 0)
     spec.dcache.ensure_capacity = watched
     outs = llm.generate(prompts, params)

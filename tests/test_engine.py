@@ -164,6 +164,43 @@ def test_kv_cache_slots_follow_the_running_batch(tiny_llama_dir):
     assert [o.outputs[0].token_ids for o in few] == [o.outputs[0].token_ids for o in many[:3]]
 
 
+def test_kv_cache_grows_by_a_quarter_and_to_the_limit_past_half_of_it(tiny_llama_dir):
+    """A growth keeps every entry and zeroes the rest; the length grows by at least a quarter of what it had, and
+    to the limit once the length asked is over half of it."""
+    from tlt.engine.kv_cache import KVCache
+    cfg = load_model(tiny_llama_dir, dtype=torch.float32).cfg
+    kv = KVCache(cfg, num_slots=16, dtype=torch.float32, device="cpu")
+    kv.ensure_capacity(40, 3)
+    assert (kv.capacity, kv.slots) == (64, 8) and all(t.abs().sum() == 0 for t in kv.k + kv.v)
+    for t in kv.k + kv.v:
+        t.fill_(1.0)
+    kv.ensure_capacity(70, 9)  # 64 + 16 = 80 > 70: rounded up to 96
+    assert (kv.capacity, kv.slots) == (96, 16)
+    for t in kv.k + kv.v:
+        assert (t[:8, :, :64] == 1).all() and t[:8, :, 64:].abs().sum() == 0 and t[8:].abs().sum() == 0
+    kv.ensure_capacity(140, limit=300)  # not over half of the limit: the length asked, rounded
+    assert kv.capacity == 160
+    kv.ensure_capacity(170, limit=300)  # over half: the limit, rounded
+    assert kv.capacity == 320
+    kv.ensure_capacity(330, limit=300)  # past the limit (the caller's error): 320 + 80 = 400, rounded
+    assert kv.capacity == 416
+
+
+def test_prompts_a_little_longer_each_call_allocate_the_kv_cache_once(tiny_llama_dir):
+    """RL's case: every step brings prompts a few tokens longer than the last; once a row's worst case is over half
+    the context limit the cache takes the limit, so no later call reallocates it (eager: CUDA graphs round the
+    capacity themselves)."""
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_model_len=100, enforce_eager=True)
+    p = tlt.SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    llm.generate([[5] * 4], p)
+    first = (llm.engine.kv.k[0].data_ptr(), llm.engine.kv.capacity)
+    assert first[1] == 128
+    for n in (8, 16, 30):
+        out = llm.generate([[5] * n], p)[0].outputs[0]
+        assert len(out.token_ids) == min(50, 100 - n)
+        assert (llm.engine.kv.k[0].data_ptr(), llm.engine.kv.capacity) == first
+
+
 def test_decode_time_is_split_by_how_few_sequences_ran(tiny_llama_dir):
     """stats()["decode_time_upto_bs"][k]: decode time while at most k sequences ran (the tail). Four requests of
     equal length run together to the end: all of it at <= 4, none at <= 2. One request of 4 that runs 12 steps past
@@ -198,8 +235,9 @@ def test_kv_budget_counts_the_speculators_headroom():
     class Cache:  # records what admission asks the caches for
         num_slots = 8
 
-        def ensure_capacity(self, length, slots):
+        def ensure_capacity(self, length, slots, limit=None):
             self.asked = (length, slots)
+            assert limit == 4 * 40 // slots  # the cache never grows past what the budget leaves a row
 
     def admitted(headroom: int) -> tuple[int, tuple[int, int]]:
         cache = Cache()

@@ -287,7 +287,7 @@ def test_cache_growth_mid_speculation(sharp_llama):
     llm.engine.scheduler.headroom = 0  # nothing reserved past the rows' end at admission: verify steps grow the cache
     kv, capacities = llm.engine.kv, []
     grow = kv.ensure_capacity
-    kv.ensure_capacity = lambda *a: (grow(*a), capacities.append(kv.capacity))[0]
+    kv.ensure_capacity = lambda *a, **k: (grow(*a, **k), capacities.append(kv.capacity))[0]
     out = llm.generate([[5, 6]], tlt.SamplingParams(temperature=0, max_tokens=124, ignore_eos=True))[0].outputs[0]
     assert len(set(capacities)) > 1, "the cache never grew after admission: the case under test did not occur"
     ref = tlt.LLM(model).generate([[5, 6]], tlt.SamplingParams(temperature=0, max_tokens=124, ignore_eos=True))
@@ -297,13 +297,13 @@ def test_cache_growth_mid_speculation(sharp_llama):
 def test_drafter_catch_up_with_uneven_rows_in_a_tight_cache(sharp_llama, monkeypatch):
     """A request joins while another row is deep into SD: the catch-up pads rows to the longest one, so the deep
     row's padding writes past its own end. The drafter cache must have room for that even when its capacity is
-    exact (round_to=1). The test checks that the case occurred (padding past the capacity before the call)."""
+    exact (round_to=1, growth=0). The test checks that the case occurred (padding past the capacity before the call)."""
     model, drafter_dir = sharp_llama
     prompts = _prompts(128, n=8, seed=2)  # a seed whose schedule hits the case (asserted below)
     p = tlt.SamplingParams(temperature=0, max_tokens=40)
     ref = [o.outputs[0].token_ids for o in tlt.LLM(model, max_num_seqs=2).generate(prompts, p)]
     llm = tlt.LLM(model, max_num_seqs=2, speculative_config=dict(CHAIN, model=drafter_dir))
-    llm.spec.dcache.round_to = 1
+    llm.spec.dcache.round_to, llm.spec.dcache.growth = 1, 0.0
     llm.engine.scheduler.headroom = 0  # nothing reserved at admission: the catch-up's own growth is under test
     overflows, catch_up = [], SpecDecoder._drafter_catch_up
 

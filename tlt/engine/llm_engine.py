@@ -60,7 +60,7 @@ class LLMEngine:
             raise ValueError(f"kv_cache_tokens={kv_cache_tokens}: give a positive number of positions, or None for "
                              f"no budget beyond max_num_seqs")
         self.kv = KVCache(model.cfg, max_num_seqs, self.dtype, self.device)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, kv_cache_tokens)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, kv_cache_tokens, self.max_model_len)
         # on CUDA, decode and verification replay captured graphs unless enforce_eager (vLLM's switch)
         self.runner = ModelRunner(model, self.kv, cuda_graphs=not enforce_eager and self.device.type == "cuda")
         self.spec = None  # a speculator (tlt.speculative.SpecDecoder), set by attach_speculator

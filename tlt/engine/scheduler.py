@@ -16,8 +16,10 @@ from tlt.engine.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, max_num_seqs: int, max_cache_tokens: int | None = None):
+    def __init__(self, kv: KVCache, max_num_seqs: int, max_cache_tokens: int | None = None,
+                 max_len: int | None = None):
         self.kv = kv
+        self.max_len = max_len  # the engine's context limit: no sequence gets longer (plus the headroom)
         self.max_num_seqs = min(max_num_seqs, kv.num_slots)
         self.max_cache_tokens = max_cache_tokens  # positions over all slots; None: only max_num_seqs bounds
         self.waiting: deque[Sequence] = deque()
@@ -56,8 +58,12 @@ class Scheduler:
             seq.status, seq.slot = Status.RUNNING, len(self.running)
             self.running.append(seq)
         if admitted:
+            # the most positions a row can need, and no more than the budget leaves each running row
+            limits = [self.max_len + self.headroom] if self.max_len is not None else []
+            if self.max_cache_tokens is not None:
+                limits.append(self.max_cache_tokens // len(self.running))
             for cache in [self.kv, *self.slot_caches]:  # the slot caches are slot-indexed like the target's
-                cache.ensure_capacity(longest + self.headroom, len(self.running))
+                cache.ensure_capacity(longest + self.headroom, len(self.running), limit=min(limits, default=None))
         return admitted
 
     def finish(self, done: list[Sequence]) -> None:
