@@ -8,9 +8,9 @@ follows the longest running sequence and the number running, not the context lim
 A growth allocates every layer's K and V afresh and copies the old ones in: on a 2-core CPU 0.4-0.8 s for
 SmolLM2-135M at 48 slots x 512 positions, mostly page faults. So the length grows by at least a quarter of what
 it had (`growth`), and straight to `limit` (the longest a sequence can get, or the positions a KV budget leaves a
-row, when the caller knows it; never past it) once the length asked is over half of that: memory stays within
-twice the longest sequence, and an RL run, whose prompts differ by a few tokens a step, allocates once instead of
-at every step that brings a longer prompt (docs/design.md §10).
+row, when the caller knows it; not past it but for the rounding) once the length asked is over half of that:
+memory stays within twice the longest sequence, and an RL run, whose prompts differ by a few tokens a step,
+allocates once instead of at every step that brings a longer prompt (docs/design.md §10).
 """
 from __future__ import annotations
 
@@ -47,8 +47,9 @@ class KVCache:
         new_cap = self.capacity
         if length > self.capacity:
             want = max(length, self.capacity + int(self.capacity * self.growth))
-            if limit is not None and length <= limit:
-                want = limit if 2 * length > limit else min(want, limit)
+            if limit is not None:  # a row past the limit (one a KV budget cannot hold) gets what it asks
+                cap = max(length, limit)
+                want = cap if 2 * length > limit else min(want, cap)
             new_cap = -(-want // self.round_to) * self.round_to
         new_slots = self.slots if slots <= self.slots else min(-(-slots // self.slot_round) * self.slot_round,
                                                                self.num_slots)

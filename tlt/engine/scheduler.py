@@ -58,10 +58,11 @@ class Scheduler:
             seq.status, seq.slot = Status.RUNNING, len(self.running)
             self.running.append(seq)
         if admitted:
-            # the most positions a row can need, and no more than the budget leaves each running row
+            # the most positions a row can need, and no more than the budget leaves each of the rows that may run
+            # (capacity never shrinks, and later admissions add slots)
             limits = [self.max_len + self.headroom] if self.max_len is not None else []
             if self.max_cache_tokens is not None:
-                limits.append(self.max_cache_tokens // len(self.running))
+                limits.append(self.max_cache_tokens // self.max_num_seqs)
             for cache in [self.kv, *self.slot_caches]:  # the slot caches are slot-indexed like the target's
                 cache.ensure_capacity(longest + self.headroom, len(self.running), limit=min(limits, default=None))
         return admitted
