@@ -346,10 +346,11 @@ class Decoder(nn.Module):
         to 512 rows). Verification of drafts of unequal length (n-gram rows with shorter or no drafts) then costs the
         N tokens drafted instead of B * T (docs/design.md §9)."""
         B, T = input_ids.shape
+        if T > SMALL_QUERY_CPU or self._flex(cache, T):
+            return None
         b, t = nodes.nonzero(as_tuple=True)
         x = self.embed_tokens(input_ids[b, t])[:, None]  # [N, 1, H]
-        if T > SMALL_QUERY_CPU or self._flex(cache, T) or not all(decode_layer_ok(x, layer.weights(), cache.k[0])
-                                                                  for layer in self.layers):
+        if not all(decode_layer_ok(x, layer.weights(), cache.k[0]) for layer in self.layers):
             return None
         _, full = cache_mask(cache, T, input_ids.device)  # the padded forward's plan, one query row a token
         slots = b + cache.slot_start
