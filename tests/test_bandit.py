@@ -80,6 +80,22 @@ def _one_bucket(arms, **kw):
     return StrategyBandit([math.inf], [arms], seed=3, **kw)
 
 
+def test_an_arm_that_stops_paying_is_dropped_within_its_recent_steps():
+    """A chain that draws 2 tokens a step (2x plain decoding) for the first 40 steps, then 0.8: its window still
+    says it pays long after the turn, but it must beat "off" over its last `recent` (8) steps as well, so it runs at
+    most 8 steps past the turn. Control: recent=0 (the window alone) keeps it for over 100 steps."""
+    def steps_after_turn(recent):
+        bandit = _one_bucket([OFF, CHAIN], epsilon=0.0, close=False, recent=recent)
+        after = 0
+        for step in range(400):
+            arm = bandit.select(1)
+            bandit.update(1, arm, 1.0 if arm is OFF else 2.0 if step < 40 else 0.8, 1.0)
+            after += step >= 40 and arm is CHAIN
+        return after
+
+    assert 1 <= steps_after_turn(8) <= 8 and steps_after_turn(0) > 100
+
+
 def test_ranks_by_delivered_throughput_not_the_median_step():
     """70% of the chain's steps are a bit faster than plain, 30% pay a drafter catch-up 4x over: its median step
     beats "off" but its tokens per second do not, so the bandit keeps "off" (a median-based one would not)."""
@@ -561,6 +577,67 @@ def test_a_probe_waits_in_proportion_to_what_sd_lost():
         assert bandit.closed_buckets() == [] and bandit.probes == 1 and bandit.capturing(1), wait
         assert bandit.untried == [["chain2"]] and len(bandit.steps[0]["off"]) == wait + 1
         assert bandit.select(1) is chain
+
+
+def test_probes_that_find_nothing_back_off_and_news_starts_the_waits_again():
+    """A probe that finds SD still losing doubles its bucket's next wait, up to 2 ** backoff times the first: an
+    n-gram arm that loses 0.1 s on each probe (plain steps of 0.07 s, probe 0.05) waits 29, 58, 115 plain steps. A new
+    drafter that reopens the bucket starts again at 29; so does text the n-gram drafter keeps guessing (hit rate >=
+    1/2: the 16-step floor). The retired drafter arms' own probes back off alike, to 16 times the first wait. Over
+    20000 steps where SD loses (0.8x), the probes cost under a third of what they cost without back-off (control:
+    backoff=0), and SD pays within 200 steps of the text turning (1.5x), which starts the waits again."""
+    ngram, chain = Arm("ngram4", "ngram", 4, 1, 4), Arm("chain2", "eagle_chain", 2, 1, 2)
+    bandit = _one_bucket([OFF, ngram], epsilon=0.0, min_samples=1, probe=0.05, backoff=4)
+    bandit.update(1, OFF, 1.0, 0.07)
+
+    def lose_and_wait(hits=False):
+        assert bandit.select(1) is ngram  # untried: the bucket is new or probes
+        bandit.update(1, ngram, 1.0, 0.17)  # 0.1 s slower than plain decoding
+        assert bandit.closed_buckets() == ["bs>=1"]
+        for n in range(1, 1000):
+            bandit.shadow(1, hits)
+            bandit.update(1, OFF, 1.0, 0.07)
+            if not bandit.closed_buckets():
+                return n
+
+    assert [lose_and_wait() for _ in range(3)] == [29, 58, 115] and bandit.probe_misses == [2]
+    bandit.forget(methods=("ngram",))  # a new drafter: (the bucket is open for its probe) the waits start again
+    assert bandit.probe_misses == [0] and [lose_and_wait() for _ in range(3)] == [29, 58, 115]
+    assert lose_and_wait(hits=True) == 16  # not 8 * 29 * 1/4 = 58 steps
+
+    # the drafter arms retired in an open bucket where the n-gram arm pays: their probes back off, to 16x
+    bandit = _one_bucket([OFF, chain, ngram], epsilon=0.0, min_samples=1, probe=0.05, backoff=4, refresh=0)
+    waits, n = [], 0
+    for _ in range(2000):
+        arm = bandit.select(1)
+        if arm is chain:
+            waits.append(n)
+            n = 0
+            bandit.update(1, chain, 1.0, 0.17)
+        else:
+            bandit.update(1, arm, 2.0 if arm is ngram else 1.0, 0.07)
+            n += 1
+    assert waits == [1, 29, 58, 115, 229, 458, 458, 458] and bandit.closed_buckets() == []
+
+    def run(backoff, turn=20000):
+        bandit = _one_bucket([OFF, chain, ngram], epsilon=0.2, min_samples=5, probe=0.05, backoff=backoff)
+        lost = seconds = 0.0
+        paid_after = None
+        for step in range(turn + 2000):
+            arm, speed = bandit.select(1), 0.8 if step < turn else 1.5
+            counted = bandit.probes > 0 or bandit.closed_buckets()  # after the first close
+            bandit.update(1, arm, 1.0 if arm is OFF else speed, 1.0)
+            if counted and step < turn:
+                seconds += 1.0
+                lost += 0.0 if arm is OFF else 1.0 - speed
+            if step >= turn and paid_after is None and bandit.best(1) is not OFF:
+                paid_after = step - turn
+        return lost / seconds, paid_after, bandit.probe_misses[0]
+
+    cost, paid_after, misses = run(4)
+    control, control_paid_after, _ = run(0)
+    assert cost < control / 3 and paid_after < 200 and misses == 0, (cost, control, paid_after)
+    assert control_paid_after < 20
 
 
 def test_n_gram_hits_in_a_closed_bucket_bring_its_probe_nearer():

@@ -43,7 +43,11 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   of the steps, while `tlt bench spec` at bs 2 ran 0.72-0.83x of plain decoding's speed, the lagging row finishing
   alone at bs 1. Where a request waits, a finished row's slot is refilled and every token counts alike. Rows that stop
   at EOS before their limit make the critical row a guess: the row furthest from its limit.
-- "off" is kept unless an SD arm beats it by `min_gain` (a tie costs SD's variance for nothing).
+- "off" is kept unless an SD arm beats it by `min_gain` (a tie costs SD's variance for nothing), over its window and
+  over its last `recent` (8) steps alike. What a draft holds changes within a response: at bs 1 in `tlt bench spec` a
+  depth-2 chain drew 2-3 tokens a step over a response's first steps, then one (14.5 ms against a plain step's 12 ms)
+  while its window's average, 2.0x at its eighth step, took about 30 such steps to fall below "off"'s, which cost
+  the round 5-8%. Its last 8 steps turn within a few.
 - An arm is untried until a step of it is recorded, and an SD step is recorded only once its bucket has an "off"
   step to measure it against. The caller leaves out steps that captured a CUDA graph (tlt.speculative.spec_decoder):
   timed with a capture, one plain step on an H100 made every SD arm look 30x faster; left out without these
@@ -74,7 +78,13 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   1 / probe times the seconds SD lost there (its ledger, over the last `window` steps, when it closed), and at least
   SHADOW (16) plain steps, with its SD arms' windows emptied, so each is tried afresh. Where SD never pays, the probes
   cost about `probe` of the bucket's time (at 0.05, `tlt bench spec` lost 2-6% at bs 1-32 on a 2-core CPU); where it
-  starts to pay, SD gets its chance without waiting for a drafter.
+  starts to pay, SD gets its chance without waiting for a drafter. A probe that finds SD still losing (the bucket
+  closes again) doubles the next wait, up to 2 ** `backoff` (4: 16x) times the first, and the retired drafter arms'
+  own probes back off alike: on `tlt bench spec` each probe at bs 4-8 ran 15-25 SD steps at 1.3-2x a plain step's
+  cost (every arm tried afresh, then min_samples steps each before it could close again), about 0.25 s in a 2.6 s
+  round, and at a steady 2% those episodes came every few rounds. A probe where SD pays or a new drafter that
+  reopens the bucket starts the waits again; while the shadow's hit rate is half or more (the text repeats: news no
+  probe has seen) the wait is the first one's.
   What pays changes with the text, not only with the drafter: in a default run three of the four buckets closed in
   the short-tailed first steps, and later steps ended in rows looping to the length limit, where n-gram drafts held
   about 4-4.6 tokens a step (docs/design.md §6). Without probing, a closed bucket reopens only for a new drafter.
@@ -246,7 +256,7 @@ class StrategyBandit:
                  epsilon: float = 0.1, window: int = 300, seed: int = 0, min_gain: float = 0.03,
                  margin: float = 0.15, min_samples: int = 5, recheck: float = 0.1, far: float = 0.5,
                  close: bool = True, reprice_every: int = 16, probe: float = 0.02, refresh: int = 32,
-                 follow: int = 4):
+                 follow: int = 4, backoff: int = 4, recent: int = 8):
         if bucket_bounds is None and arms is None:
             bucket_bounds, arms = default_arm_table("cpu")
         if bucket_bounds is None or arms is None or len(bucket_bounds) != len(arms):
@@ -271,6 +281,12 @@ class StrategyBandit:
         self.follow = follow
         if not 0 <= probe <= 0.5:
             raise ValueError(f"probe must be in [0, 0.5], got {probe}")
+        if backoff < 0:
+            raise ValueError(f"backoff must be >= 0 (0: every wait as long as the first), got {backoff}")
+        self.backoff = backoff
+        if recent < 0:
+            raise ValueError(f"recent must be >= 0 (0: the window's estimate alone), got {recent}")
+        self.recent = recent
         self.rng = random.Random(seed)
         # per bucket and arm: its last `window` steps (select() runs every SD decode step: estimates read sums)
         self.steps = [{a.name: _Window(window) for a in bucket} for bucket in self.arms]
@@ -296,6 +312,10 @@ class StrategyBandit:
         self.closed_plain_s = [0.0 for _ in self.arms]
         self.probe_after = [math.inf for _ in self.arms]
         self.probes = 0                                 # probes started, all buckets
+        # per bucket: the probes in a row that found nothing (it closed again; each doubles the next wait, up to
+        # 2 ** backoff), and whether it is open for a probe not judged yet
+        self.probe_misses = [0 for _ in self.arms]
+        self.probing = [False for _ in self.arms]
         # per closed bucket with an n-gram arm: whether the n-gram drafter would have proposed the token a row drew,
         # at its last SHADOW plain steps (one row a step; `shadow`), which shortens the wait for a probe
         self.shadow_hits = [deque(maxlen=SHADOW) for _ in self.arms]
@@ -320,6 +340,8 @@ class StrategyBandit:
         self.retired_steps = [0 for _ in self.arms]
         self.retired_s = [0.0 for _ in self.arms]
         self.retired_probe_after = [math.inf for _ in self.arms]
+        self.retired_misses = [0 for _ in self.arms]    # as probe_misses, for the retired drafter arms' own probes
+        self.retired_probing = [False for _ in self.arms]
 
     def bucket(self, batch_size: int) -> int:
         return next(i for i, hi in enumerate(self.bounds) if batch_size <= hi)
@@ -413,17 +435,18 @@ class StrategyBandit:
             if self.closed[b]:
                 self.closed_steps[b] += 1
                 self.closed_plain_s[b] += float(seconds)
-                if (self.closed_steps[b] >= SHADOW
-                        and self.closed_plain_s[b] >= self.probe_after[b] * max(1.0 - self.shadow_rate(b), 0.25)):
+                if self.closed_steps[b] >= SHADOW and self.closed_plain_s[b] >= self._probe_wait(b):
                     self.probes += 1
-                    self._reopen(b, self._probed_methods(b), keep=0)
+                    self._reopen(b, self._probed_methods(b), keep=0, probe=True)
                     return
         if self.retired[b]:
             self.retired_steps[b] += 1
             self.retired_s[b] += float(seconds)
-            if self.retired_steps[b] >= SHADOW and self.retired_s[b] >= self.retired_probe_after[b]:
+            if (self.retired_steps[b] >= SHADOW
+                    and self.retired_s[b] >= self.retired_probe_after[b] * 2 ** min(self.retired_misses[b],
+                                                                                    self.backoff)):
                 self.probes += 1
-                self._reopen(b, DRAFTER_METHODS, keep=0)
+                self._reopen(b, DRAFTER_METHODS, keep=0, probe=True)
                 return
         self._update_closed(b)
         self._update_retired(b)
@@ -462,13 +485,18 @@ class StrategyBandit:
         if not self.close or self.closed[b] or not self.sd_since_open[b]:
             return
         best = self._best(b)
-        if best.method != "off":
+        if best.method != "off":  # SD pays here: a probe that opened the bucket found it
+            self.probe_misses[b], self.probing[b] = 0, False
+            if best.method in DRAFTER_METHODS:
+                self.retired_misses[b], self.retired_probing[b] = 0, False
             return
         off = self.estimate(b, best.name)
         self.closed[b] = all(len(self.steps[b][a.name]) >= self.min_samples
                              or (self.steps[b][a.name] and self.estimate(b, a.name) < self.far * off)
                              for a in self._active(b) if a.method != "off") and self.ledger_seconds(b) < 0
         if self.closed[b]:  # it probes again once plain decoding there took 1 / probe times what SD lost
+            self.probe_misses[b] += self.probing[b]  # (times 2 for each probe in a row that found nothing)
+            self.probing[b] = False
             self.probe_after[b] = -self.ledger_seconds(b) / self.probe if self.probe else math.inf
             if not self.retired[b] and self.drafter_since_open[b]:
                 self._retire_if_lost(b)  # and the drafter's arms, where they lost, on their own probe
@@ -508,6 +536,8 @@ class StrategyBandit:
         lost = sum(self.steps[b][a.name].seconds - self.steps[b][a.name].plain for a in drafters)
         if lost > 0:
             self.retired[b] = True
+            self.retired_misses[b] += self.retired_probing[b]
+            self.retired_probing[b] = False
             self.retired_steps[b], self.retired_s[b] = 0, 0.0
             self.retired_probe_after[b] = lost / self.probe if self.probe else math.inf
 
@@ -591,15 +621,30 @@ class StrategyBandit:
             # retired arms come back to a fresh trial: their windows hold the weights they retired on
             self._reopen(b, methods, 0 if retired else keep)
 
-    def _reopen(self, b: int, methods: Sequence[str], keep: int) -> None:
+    def _probe_wait(self, b: int) -> float:
+        """The plain seconds closed bucket b decodes before it probes: `probe_after`, times max(1 - h, 1/4) at the
+        n-gram shadow's hit rate h, and times 2 for each probe in a row that found nothing (up to 2 ** backoff)
+        unless h >= 1/2: the text repeating is news a probe has not seen."""
+        h = self.shadow_rate(b)
+        misses = self.probe_misses[b] if h < 0.5 else 0
+        return self.probe_after[b] * max(1.0 - h, 0.25) * 2 ** min(misses, self.backoff)
+
+    def _reopen(self, b: int, methods: Sequence[str], keep: int, probe: bool = False) -> None:
         """Open bucket b (if closed) with an empty ledger and exploration restarted, these methods' arms cut to their
-        last `keep` steps."""
+        last `keep` steps. probe: opened by its own probe (judged when it closes again or SD pays, `_update_closed`),
+        not for a new drafter, which starts the probes' back-off again."""
         self.since_forget[b] = 0
+        self.probing[b] = probe
+        if not probe:
+            self.probe_misses[b] = 0
         self.closed[b], self.closed_gain[b] = False, 1.0  # the new drafter gets its chance; the ledger restarts
         self.closed_steps[b], self.closed_plain_s[b], self.probe_after[b] = 0, 0.0, math.inf
         self.shadow_hits[b].clear()
         self.sd_since_open[b] = 0
         if any(m in DRAFTER_METHODS for m in methods):
+            self.retired_probing[b] = probe
+            if not probe:
+                self.retired_misses[b] = 0
             self.retired[b], self.retired_gain[b], self.drafter_since_open[b] = False, 1.0, 0
             self.retired_steps[b], self.retired_s[b], self.retired_probe_after[b] = 0, 0.0, math.inf
         self.ledger[b].keep_last(0, self._prices[b])
@@ -701,13 +746,28 @@ class StrategyBandit:
         return self._off_prices[b]
 
     def _best(self, b: int) -> Arm:
+        """The greedy choice: the arm with the best estimate, where an SD arm beats "off" by min_gain over its window
+        and over its last `recent` steps alike (the module doc), else "off"."""
         arms = self._active(b)
         top = max(arms, key=lambda a: self.estimate(b, a.name))
         off = self.off[b]
-        if (off is not None and top is not off
-                and self.estimate(b, top.name) < (1 + self.min_gain) * self.estimate(b, off.name)):
-            return off
+        if off is not None and top is not off:
+            bar = (1 + self.min_gain) * self.estimate(b, off.name)
+            if self.estimate(b, top.name) < bar or self._recent_estimate(b, top.name) < bar:
+                return off
         return top
+
+    def _recent_estimate(self, b: int, name: str) -> float:
+        """The arm's estimate over its last `recent` steps alone (inf where recent is 0)."""
+        if not self.recent:
+            return math.inf
+        entries, price = self.steps[b][name].entries, self._prices[b]
+        plain = seconds = 0.0
+        for i in range(1, min(self.recent, len(entries)) + 1):
+            key, tokens, critical, step_s = entries[-i]
+            plain += price(key, tokens, critical) if tokens else 0.0
+            seconds += step_s
+        return plain / max(seconds, 1e-9)
 
     def _dominated(self, b: int, name: str, best: Arm) -> bool:
         n, est, top = len(self.steps[b][name]), self.estimate(b, name), self.estimate(b, best.name)

@@ -50,7 +50,7 @@ class SpecDecoder:
         self.ngram = NgramDrafter(max_n=cfg.ngram_max_n, min_n=cfg.ngram_min_n)
         bounds, arms = cfg.arm_table(has_drafter=drafter is not None, device_type=engine.device.type)
         self.bandit = StrategyBandit(bounds, arms, epsilon=cfg.epsilon, window=cfg.window, seed=cfg.seed,
-                                     close=cfg.close_buckets, probe=cfg.probe_closed,
+                                     close=cfg.close_buckets, probe=cfg.probe_closed, backoff=cfg.probe_backoff,
                                      follow=cfg.follow(engine.device.type))
         self.dcache = KVCache(self.model.cfg, engine.num_slots, engine.dtype, engine.device, num_layers=1) \
             if drafter else None
