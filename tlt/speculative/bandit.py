@@ -634,7 +634,8 @@ class StrategyBandit:
         last `keep` steps. probe: opened by its own probe (judged when it closes again or SD pays, `_update_closed`),
         not for a new drafter, which starts the probes' back-off again."""
         self.since_forget[b] = 0
-        self.probing[b] = probe
+        if self.closed[b] or not probe:  # (the drafter arms' own probe in an open bucket is theirs alone)
+            self.probing[b] = probe
         if not probe:
             self.probe_misses[b] = 0
         self.closed[b], self.closed_gain[b] = False, 1.0  # the new drafter gets its chance; the ledger restarts
