@@ -80,6 +80,12 @@ def _one_bucket(arms, **kw):
     return StrategyBandit([math.inf], [arms], seed=3, **kw)
 
 
+def test_counts_that_cannot_be_negative_are_refused():
+    for name in ("refresh", "follow", "backoff", "recent"):
+        with pytest.raises(ValueError, match=f"{name} must be >= 0"):
+            _one_bucket([OFF, CHAIN], **{name: -1})
+
+
 def test_an_arm_that_stops_paying_is_dropped_within_its_recent_steps():
     """A chain that draws 2 tokens a step (2x plain decoding) for the first 40 steps, then 0.8: its window still
     says it pays long after the turn, but it must beat "off" over its last `recent` (8) steps as well, so it runs at

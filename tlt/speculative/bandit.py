@@ -273,20 +273,14 @@ class StrategyBandit:
         self.epsilon, self.window = epsilon, window
         self.min_gain, self.margin, self.min_samples, self.recheck = min_gain, margin, min_samples, recheck
         self.far, self.close, self.reprice_every, self.probe = far, close, reprice_every, probe
-        if refresh < 0:
-            raise ValueError(f"refresh must be >= 0 (0: never), got {refresh}")
-        self.refresh = refresh
-        if follow < 0:
-            raise ValueError(f"follow must be >= 0 (0: never), got {follow}")
-        self.follow = follow
+        for name, value, zero in (("refresh", refresh, "never"), ("follow", follow, "never"),
+                                  ("backoff", backoff, "every wait as long as the first"),
+                                  ("recent", recent, "the window's estimate alone")):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0 (0: {zero}), got {value}")
+        self.refresh, self.follow, self.backoff, self.recent = refresh, follow, backoff, recent
         if not 0 <= probe <= 0.5:
             raise ValueError(f"probe must be in [0, 0.5], got {probe}")
-        if backoff < 0:
-            raise ValueError(f"backoff must be >= 0 (0: every wait as long as the first), got {backoff}")
-        self.backoff = backoff
-        if recent < 0:
-            raise ValueError(f"recent must be >= 0 (0: the window's estimate alone), got {recent}")
-        self.recent = recent
         self.rng = random.Random(seed)
         # per bucket and arm: its last `window` steps (select() runs every SD decode step: estimates read sums)
         self.steps = [{a.name: _Window(window) for a in bucket} for bucket in self.arms]
