@@ -43,11 +43,7 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   of the steps, while `tlt bench spec` at bs 2 ran 0.72-0.83x of plain decoding's speed, the lagging row finishing
   alone at bs 1. Where a request waits, a finished row's slot is refilled and every token counts alike. Rows that stop
   at EOS before their limit make the critical row a guess: the row furthest from its limit.
-- "off" is kept unless an SD arm beats it by `min_gain` (a tie costs SD's variance for nothing), over its window and
-  over its last `recent` (8) steps alike. What a draft holds changes within a response: at bs 1 in `tlt bench spec` a
-  depth-2 chain drew 2-3 tokens a step over a response's first steps, then one (14.5 ms against a plain step's 12 ms)
-  while its window's average, 2.0x at its eighth step, took about 30 such steps to fall below "off"'s, which cost
-  the round 5-8%. Its last 8 steps turn within a few.
+- "off" is kept unless an SD arm beats it by `min_gain` (a tie costs SD's variance for nothing).
 - An arm is untried until a step of it is recorded, and an SD step is recorded only once its bucket has an "off"
   step to measure it against. The caller leaves out steps that captured a CUDA graph (tlt.speculative.spec_decoder):
   timed with a capture, one plain step on an H100 made every SD arm look 30x faster; left out without these
@@ -80,7 +76,7 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   cost about `probe` of the bucket's time (at 0.05, `tlt bench spec` lost 2-6% at bs 1-32 on a 2-core CPU); where it
   starts to pay, SD gets its chance without waiting for a drafter. A probe that finds SD still losing (the bucket
   closes again) doubles the next wait, up to 2 ** `backoff` (4: 16x) times the first, and the retired drafter arms'
-  own probes back off alike: on `tlt bench spec` each probe at bs 4-8 ran 15-25 SD steps at 1.3-2x a plain step's
+  own probes back off alike: on `tlt bench spec` each probe at bs 8 ran 15-25 SD steps at 1.3-2x a plain step's
   cost (every arm tried afresh, then min_samples steps each before it could close again), about 0.25 s in a 2.6 s
   round, and at a steady 2% those episodes came every few rounds. A probe where SD pays or a new drafter that
   reopens the bucket starts the waits again; while the shadow's hit rate is half or more (the text repeats: news no
@@ -256,7 +252,7 @@ class StrategyBandit:
                  epsilon: float = 0.1, window: int = 300, seed: int = 0, min_gain: float = 0.03,
                  margin: float = 0.15, min_samples: int = 5, recheck: float = 0.1, far: float = 0.5,
                  close: bool = True, reprice_every: int = 16, probe: float = 0.02, refresh: int = 32,
-                 follow: int = 4, backoff: int = 4, recent: int = 8):
+                 follow: int = 4, backoff: int = 4):
         if bucket_bounds is None and arms is None:
             bucket_bounds, arms = default_arm_table("cpu")
         if bucket_bounds is None or arms is None or len(bucket_bounds) != len(arms):
@@ -274,11 +270,10 @@ class StrategyBandit:
         self.min_gain, self.margin, self.min_samples, self.recheck = min_gain, margin, min_samples, recheck
         self.far, self.close, self.reprice_every, self.probe = far, close, reprice_every, probe
         for name, value, zero in (("refresh", refresh, "never"), ("follow", follow, "never"),
-                                  ("backoff", backoff, "every wait as long as the first"),
-                                  ("recent", recent, "the window's estimate alone")):
+                                  ("backoff", backoff, "every wait as long as the first")):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0 (0: {zero}), got {value}")
-        self.refresh, self.follow, self.backoff, self.recent = refresh, follow, backoff, recent
+        self.refresh, self.follow, self.backoff = refresh, follow, backoff
         if not 0 <= probe <= 0.5:
             raise ValueError(f"probe must be in [0, 0.5], got {probe}")
         self.rng = random.Random(seed)
@@ -479,10 +474,11 @@ class StrategyBandit:
         if not self.close or self.closed[b] or not self.sd_since_open[b]:
             return
         best = self._best(b)
-        if best.method != "off":  # SD pays here: a probe that opened the bucket found it
-            self.probe_misses[b], self.probing[b] = 0, False
-            if best.method in DRAFTER_METHODS:
-                self.retired_misses[b], self.retired_probing[b] = 0, False
+        if best.method != "off":
+            if len(self.steps[b][best.name]) >= self.min_samples:  # SD pays here (not one lucky step): a probe found it
+                self.probe_misses[b], self.probing[b] = 0, False
+                if best.method in DRAFTER_METHODS:
+                    self.retired_misses[b], self.retired_probing[b] = 0, False
             return
         off = self.estimate(b, best.name)
         self.closed[b] = all(len(self.steps[b][a.name]) >= self.min_samples
@@ -625,21 +621,23 @@ class StrategyBandit:
 
     def _reopen(self, b: int, methods: Sequence[str], keep: int, probe: bool = False) -> None:
         """Open bucket b (if closed) with an empty ledger and exploration restarted, these methods' arms cut to their
-        last `keep` steps. probe: opened by its own probe (judged when it closes again or SD pays, `_update_closed`),
-        not for a new drafter, which starts the probes' back-off again."""
+        last `keep` steps. probe: opened by its own probe (judged when it closes again or an SD arm with min_samples
+        steps pays, `_update_closed`), not for a new drafter, which starts the back-off of a closed bucket (retired
+        arms) again; a publish that reaches an open bucket leaves its back-off alone."""
         self.since_forget[b] = 0
-        if self.closed[b] or not probe:  # (the drafter arms' own probe in an open bucket is theirs alone)
-            self.probing[b] = probe
-        if not probe:
-            self.probe_misses[b] = 0
+        if self.closed[b]:  # a probe of its own arms, or a new drafter (which starts the back-off again)
+            self.probing[b] = probe and tuple(methods) == self._probed_methods(b)
+            if not probe:
+                self.probe_misses[b] = 0
         self.closed[b], self.closed_gain[b] = False, 1.0  # the new drafter gets its chance; the ledger restarts
         self.closed_steps[b], self.closed_plain_s[b], self.probe_after[b] = 0, 0.0, math.inf
         self.shadow_hits[b].clear()
         self.sd_since_open[b] = 0
         if any(m in DRAFTER_METHODS for m in methods):
-            self.retired_probing[b] = probe
-            if not probe:
-                self.retired_misses[b] = 0
+            if self.retired[b]:  # their own probe, or a new drafter (which starts their back-off again)
+                self.retired_probing[b] = probe
+                if not probe:
+                    self.retired_misses[b] = 0
             self.retired[b], self.retired_gain[b], self.drafter_since_open[b] = False, 1.0, 0
             self.retired_steps[b], self.retired_s[b], self.retired_probe_after[b] = 0, 0.0, math.inf
         self.ledger[b].keep_last(0, self._prices[b])
@@ -741,28 +739,13 @@ class StrategyBandit:
         return self._off_prices[b]
 
     def _best(self, b: int) -> Arm:
-        """The greedy choice: the arm with the best estimate, where an SD arm beats "off" by min_gain over its window
-        and over its last `recent` steps alike (the module doc), else "off"."""
         arms = self._active(b)
         top = max(arms, key=lambda a: self.estimate(b, a.name))
         off = self.off[b]
-        if off is not None and top is not off:
-            bar = (1 + self.min_gain) * self.estimate(b, off.name)
-            if self.estimate(b, top.name) < bar or self._recent_estimate(b, top.name) < bar:
-                return off
+        if (off is not None and top is not off
+                and self.estimate(b, top.name) < (1 + self.min_gain) * self.estimate(b, off.name)):
+            return off
         return top
-
-    def _recent_estimate(self, b: int, name: str) -> float:
-        """The arm's estimate over its last `recent` steps alone (inf where recent is 0)."""
-        if not self.recent:
-            return math.inf
-        entries, price = self.steps[b][name].entries, self._prices[b]
-        plain = seconds = 0.0
-        for i in range(1, min(self.recent, len(entries)) + 1):
-            key, tokens, critical, step_s = entries[-i]
-            plain += price(key, tokens, critical) if tokens else 0.0
-            seconds += step_s
-        return plain / max(seconds, 1e-9)
 
     def _dominated(self, b: int, name: str, best: Arm) -> bool:
         n, est, top = len(self.steps[b][name]), self.estimate(b, name), self.estimate(b, best.name)

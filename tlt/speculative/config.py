@@ -45,9 +45,9 @@ class SpecConfig:
                                        "drafter reopens it (docs/design.md §6)",
                                  ge=0, le=0.5)
     probe_backoff: int = option(4, "each probe in a row that finds SD still not paying doubles the next wait of "
-                                   "its bucket (of the learned drafter's retired arms), up to 2 ** probe_backoff "
-                                   "times the first; a probe where SD pays or a new drafter that reopens the bucket "
-                                   "starts it again, and while the n-gram drafter guesses half or more of the rows' "
+                                   "its bucket (and that of the learned drafter's retired arms), up to 2 ** "
+                                   "probe_backoff times the wait its loss sets; a probe where SD pays or a new drafter "
+                                   "that reopens the closed bucket starts it again, and while the n-gram drafter guesses half or more of the rows' "
                                    "next tokens the wait is the first one's. 0 = every wait as long as the first "
                                    "(docs/design.md §6)", ge=0)
     follow_loops: int | None = option(
