@@ -432,8 +432,7 @@ class StrategyBandit:
             self.retired_steps[b] += 1
             self.retired_s[b] += float(seconds)
             if (self.retired_steps[b] >= SHADOW
-                    and self.retired_s[b] >= self.retired_probe_after[b] * 2 ** min(self.retired_misses[b],
-                                                                                    self.backoff)):
+                    and self.retired_s[b] >= self.retired_probe_after[b] * self._backed_off(self.retired_misses[b])):
                 self.probes += 1
                 self._reopen(b, DRAFTER_METHODS, keep=0, probe=True)
                 return
@@ -617,7 +616,12 @@ class StrategyBandit:
         unless h >= 1/2: the text repeating is news a probe has not seen."""
         h = self.shadow_rate(b)
         misses = self.probe_misses[b] if h < 0.5 else 0
-        return self.probe_after[b] * max(1.0 - h, 0.25) * 2 ** min(misses, self.backoff)
+        return self.probe_after[b] * max(1.0 - h, 0.25) * self._backed_off(misses)
+
+    def _backed_off(self, misses: int) -> int:
+        """The factor on a probe's wait after `misses` probes in a row that found nothing: 2 ** misses, up to
+        2 ** backoff."""
+        return 2 ** min(misses, self.backoff)
 
     def _reopen(self, b: int, methods: Sequence[str], keep: int, probe: bool = False) -> None:
         """Open bucket b (if closed) with an empty ledger and exploration restarted, these methods' arms cut to their

@@ -47,8 +47,9 @@ class SpecConfig:
     probe_backoff: int = option(4, "each probe in a row that finds SD still not paying doubles the next wait of "
                                    "its bucket (and that of the learned drafter's retired arms), up to 2 ** "
                                    "probe_backoff times the wait its loss sets; a probe where SD pays or a new drafter "
-                                   "that reopens the closed bucket starts it again, and while the n-gram drafter guesses half or more of the rows' "
-                                   "next tokens the wait is the first one's. 0 = every wait as long as the first "
+                                   "that reopens the closed bucket starts it again, and while the n-gram drafter "
+                                   "guesses half or more of the rows' next tokens the wait is the first one's. 0 = "
+                                   "every wait as long as the first "
                                    "(docs/design.md §6)", ge=0)
     follow_loops: int | None = option(
         None, "a row loops once the n-gram drafter, asked at plain steps of an open batch-size bucket with no "
