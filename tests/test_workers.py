@@ -98,14 +98,35 @@ def test_set_drafter_mid_rollout_keeps_outputs_exact(tiny_llama_dir, replica):
     th.start()
     while not replica._generating and th.is_alive():
         time.sleep(0.001)
-    assert replica.set_drafter(new, 1)  # waits for an engine-step boundary
-    assert th.is_alive() and replica._generating  # it landed mid-rollout
+    assert replica.set_drafter(new, 1)  # the rollout loads it at its next engine-step boundary
     assert not replica.set_drafter(new, 1)  # stale version: ignored
+    while replica.spec.drafter_version == 0 and th.is_alive():
+        time.sleep(0.001)
+    assert th.is_alive() and replica._generating  # it landed mid-rollout
     th.join(timeout=60)
     assert replica.drafter_version == 1 and replica.spec.drafter_version == 1
     assert torch.equal(replica.spec.drafter.trainable_state_dict()["fc.weight"], new["fc.weight"])
     assert [[c.token_ids for c in o.outputs] for o in out["r"].outputs] == plain_outputs(tiny_llama_dir, groups,
                                                                                          params)
+
+
+def test_drafter_published_as_a_rollout_ends_is_loaded_before_it_returns(replica):
+    """A drafter that reaches the mailbox after the rollout's last step boundary is loaded as the rollout ends (no
+    later step would), and with no rollout running set_drafter loads it itself."""
+    new = {k: torch.randn_like(v) * 0.05 for k, v in replica.drafter_state().items()}
+    engine, step = replica.llm.engine, replica.llm.engine.step
+
+    def last_step_publishes():
+        step()
+        if not engine.has_unfinished():  # as if another thread published between this step and the loop's end
+            assert replica.set_drafter(new, 1) and replica.spec.drafter_version == 0
+
+    engine.step = last_step_publishes
+    replica.generate_groups(GROUPS, tlt.SamplingParams(n=1, temperature=0.0, max_tokens=4), 0)
+    assert replica.spec.drafter_version == 1 and replica._pending_drafter is None
+    assert torch.equal(replica.spec.drafter.trainable_state_dict()["fc.weight"], new["fc.weight"])
+    engine.step = step
+    assert replica.set_drafter(new, 2) and replica.spec.drafter_version == 2
 
 
 def test_policy_weights_from_state_dict(tiny_llama_dir, replica):

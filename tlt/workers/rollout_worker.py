@@ -12,7 +12,10 @@ engine steps by `set_drafter`, so a new version lands mid-rollout) and the TRAIN
 AdamW state, local to the replica). Speculation is exact, so the engine's drafter may change at any time.
 Locks: `_step_lock` (held per engine step; weight loads wait for a step boundary), `_gen_lock` (one rollout per
 engine at a time; a second call, e.g. re-queued groups, waits), `_buffer_lock` (held by a whole training session
-and by recording a rollout, so the buffer never changes under the trainer).
+and by recording a rollout, so the buffer never changes under the trainer). A drafter published during a rollout
+waits in a one-slot mailbox (`_pending_lock`) that the rollout's step loop empties at its next step boundary: the
+loop retakes `_step_lock` at once after each step, so a publisher waiting on that lock could starve until the
+rollout ended.
 """
 from __future__ import annotations
 
@@ -126,6 +129,8 @@ class RolloutReplica:
             self.trainer = DrafterTrainer(self.train_copy, lr=c.drafter_lr, batch_tokens=c.batch_tokens,
                                           seed=c.seed + replica_id, ttt_steps=c.ttt_steps)
         self._step_lock, self._gen_lock, self._buffer_lock = threading.Lock(), threading.Lock(), threading.Lock()
+        self._pending_lock = threading.Lock()
+        self._pending_drafter: dict[str, torch.Tensor] | None = None  # published, not yet in the engine
         self._flags: dict[int, threading.Event] = {}
         self._flags_lock = threading.Lock()
         self._generating = self._training = False
@@ -158,14 +163,23 @@ class RolloutReplica:
         return self.policy_version
 
     def set_drafter(self, state: Mapping[str, torch.Tensor], version: int) -> bool:
-        """Make `state` (trainable drafter weights) drafter `version` here: the engine picks it up at the next
-        step boundary, also mid-rollout; the training copy now, or after a running session. Stale -> False."""
-        if self.spec is None or self.spec.drafter is None or version <= self.drafter_version:
+        """Make `state` (trainable drafter weights) drafter `version` here. The engine drafts with it from its
+        next step boundary (a running rollout picks it up between two steps; otherwise it is loaded before this
+        returns); the training copy takes it now, or after a running session. Stale -> False."""
+        if self.spec is None or self.spec.drafter is None:
             return False
         state = dict(state)
-        with self._step_lock:
-            self.spec.load_drafter_state(state)
-            self.drafter_version = version
+        with self._pending_lock:
+            if version <= self.drafter_version:
+                return False
+            self._pending_drafter, self.drafter_version = state, version
+        if self._gen_lock.acquire(blocking=False):  # no rollout: nothing else would load it
+            try:
+                with self._step_lock:
+                    self._load_pending_drafter()
+            finally:
+                self._gen_lock.release()
+        # else the rollout holding _gen_lock loads it at its next step boundary, or as it ends
         if self.train_copy is not None:
             with self._flags_lock:
                 if self._training:
@@ -173,6 +187,13 @@ class RolloutReplica:
                 else:
                     self.train_copy.load_state_dict(state, strict=False)
         return True
+
+    def _load_pending_drafter(self) -> None:
+        """Load the last drafter published since the previous call, if any (the caller holds _step_lock)."""
+        with self._pending_lock:
+            state, self._pending_drafter = self._pending_drafter, None
+        if state is not None:
+            self.spec.load_drafter_state(state)
 
     def drafter_state(self) -> dict[str, torch.Tensor]:
         """The training copy's trainable weights (CPU), i.e. what the last accepted session produced."""
@@ -204,9 +225,12 @@ class RolloutReplica:
                     requests.append(engine.add_request(list(prompt), run_p, gid))
                 while engine.has_unfinished():
                     with self._step_lock:  # drafter / weight loads happen between steps
+                        self._load_pending_drafter()
                         engine.step()
             finally:
                 self._generating = False
+                with self._step_lock:  # one published after the last step boundary
+                    self._load_pending_drafter()
         outputs = [self._output(seqs, list(prompt), p.return_hidden_states)
                    for seqs, (_, prompt), p in zip(requests, groups, params)]
         tokens = self._record(requests, rl_step) if record else 0
