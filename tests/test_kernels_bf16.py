@@ -1,6 +1,7 @@
 """bf16 CPU fast paths (AVX512-BF16): the small-row matmul kernel (csrc/small_gemm_bf16.c), attention over a bf16
 KV cache and the bf16 fused decode layer (csrc/decode_layer.c), each against float64/fp32 arithmetic on the same
-bf16 values, with torch's own bf16 ops as the yardstick for the tolerance."""
+bf16 values, with torch's own bf16 ops as the yardstick for the tolerance. Every test runs with the matmul kernel on
+vdpbf16ps and, where the CPU has AMX, on AMX tiles (K a multiple of 32)."""
 from __future__ import annotations
 
 import copy
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 import tlt
 from tests.test_kernels import intra_op_threads  # noqa: F401  (autouse: 1 and 2 threads)
 from tests.test_kernels import _cached_forward, _random_layer, count_fused_calls, fused_and_controls
-from tlt.device import cpu_has_avx512_bf16
+from tlt.device import cpu_has_amx_bf16, cpu_has_avx512_bf16
 from tlt.models import kernels
 from tlt.models.kernels import linear
 
@@ -22,11 +23,20 @@ pytestmark = needs_bf16_kernel
 BF16_EPS = 2.0 ** -8  # a bf16 ulp at 1, relative
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 300])
-@pytest.mark.parametrize("K", [72, 74])
+@pytest.fixture(autouse=True, params=["vdpbf16ps", "amx"])
+def matmul_unit(request):
+    if request.param == "amx" and not cpu_has_amx_bf16():
+        pytest.skip("no AMX-BF16 on this CPU")
+    with kernels.bf16_amx(request.param == "amx"):
+        yield request.param
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 17, 64, 300])
+@pytest.mark.parametrize("K", [64, 72, 74])
 def test_small_gemm_bf16_matches_float64(rows, K):
-    """Rows around the kernel's 6-row passes, N not a multiple of its 64-column panels, K not a multiple of 4 (the
-    pairs of k), bias or none: the output is the float64 product of the same bf16 values, rounded to bf16 once."""
+    """Rows around the kernel's 6-row passes and 16-row tile blocks, N not a multiple of its 64-column panels, K a
+    multiple of 32 (the tiles' step) or not even of 4 (the pairs of k), bias or none: the output is the float64 product
+    of the same bf16 values, rounded to bf16 once."""
     g = torch.Generator().manual_seed(rows * K)
     x = torch.randn(rows, K, generator=g).bfloat16()
     for N, bias in ((100, torch.randn(100, generator=g).bfloat16()), (100, None), (20, None)):  # 64 + 36; 20
@@ -44,15 +54,40 @@ def test_small_gemm_bf16_matches_float64(rows, K):
 
 
 def test_small_gemm_bf16_rows_are_batch_independent():
-    """Each output row is bit for bit the same whatever else is in the batch, as for the fp32 kernel."""
+    """Each output row is bit for bit the same whatever else is in the batch, as for the fp32 kernel (in fp32, where
+    a row's sums would show any difference bf16 rounding could hide)."""
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(200, 96, generator=g).bfloat16(), torch.randn(200, generator=g).bfloat16()
     x = torch.randn(kernels.BF16_GEMM_MAX_ROWS, 96, generator=g).bfloat16()
     with torch.inference_mode():
-        full = linear(x, w, b)
-        for rows in (1, 5, 6, 7, 131):
+        full, full32 = linear(x, w, b), linear(x, w, b, out_fp32=True)
+        for rows in (1, 5, 6, 7, 16, 17, 131):
             assert torch.equal(linear(x[:rows], w, b), full[:rows])
             assert torch.equal(linear(x[-rows:], w, b), full[-rows:])
+            assert torch.equal(linear(x[3:3 + rows], w, b, out_fp32=True), full32[3:3 + rows])
+
+
+@pytest.mark.skipif(not cpu_has_amx_bf16(), reason="no AMX-BF16 on this CPU")
+def test_amx_is_on_by_default_and_rounds_apart_from_vdpbf16ps(monkeypatch, matmul_unit):
+    """On a CPU with AMX the bf16 kernel runs on the tiles unless asked not to: its fp32 sums differ from vdpbf16ps's
+    in the last bits (the switch is real), both within fp32 sums of the float64 product. oneDNN's ISA cap without
+    AMX turns it off."""
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(300, 576, generator=g).bfloat16(), torch.randn(9, 576, generator=g).bfloat16()
+    with torch.inference_mode():
+        with kernels.bf16_amx(True) as on:
+            tiles = linear(x, w, out_fp32=True)
+        with kernels.bf16_amx(False) as off:
+            lanes = linear(x, w, out_fp32=True)
+    assert on and not off and kernels.bf16_uses_amx() == (matmul_unit == "amx")
+    ref = F.linear(x.double(), w.double())
+    for got in (tiles, lanes):
+        assert ((got.double() - ref).abs() <= 1e-5 * float(ref.abs().max())).all()
+    assert not torch.equal(tiles, lanes)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert not cpu_has_amx_bf16()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert cpu_has_amx_bf16()
 
 
 def test_bf16_kernel_follows_in_place_updates():

@@ -13,7 +13,11 @@
   (csrc/small_gemm_bf16.c, vdpbf16ps: pairs of bf16 products summed into fp32 lanes, the output rounded to bf16
   once; panels of 64 columns). Two threads on a Zen 4 EPYC, the five matmul shapes of a SmolLM2 layer + LM head:
   2.0x oneDNN's bf16 matmul at one row and parity at 4-512 rows with 32-column panels, which 64-column ones beat by
-  1.1-1.2x at 1-64 rows; its rows are batch-independent as the fp32 kernel's.
+  1.1-1.2x at 1-64 rows; its rows are batch-independent as the fp32 kernel's. On a CPU with AMX the same call runs
+  on the tile unit (blocks of 16 rows, TDPBF16PS), over the same packed weight, for the whole process (its sums
+  differ from vdpbf16ps's in the last bits, so the two never mix; its rows are as batch-independent): a Xeon with
+  AMX, two threads, the five shapes: as fast at one row, 2-7x at 8-96 rows. `bf16_amx(False)` turns it off inside a
+  block, as does ONEDNN_MAX_CPU_ISA without AMX (oneDNN's own cap) for the process.
 - bf16 otherwise (more rows, no AVX512-BF16): a oneDNN-prepacked weight. Bit-identical to F.linear and about 2x
   faster at decode batch sizes on a CPU with avx512_bf16 (a [1, 576] x [576, 3072] matmul: 115 -> 59 us on one
   EPYC core).
@@ -56,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tlt.cache import build_atomically, cache_root
-from tlt.device import cpu_capability, cpu_has_avx512_bf16
+from tlt.device import cpu_capability, cpu_has_amx_bf16, cpu_has_avx512_bf16
 
 BACKENDS = ("auto", "torch", "onednn", "small_gemm", "fused")
 # measured: 2.3x MKL at 4 rows (one core), 1.1-1.3x at 128-512 rows, 0.85x at 1024 (AVX2 EPYC, two cores). Its rows
@@ -70,7 +74,8 @@ _SRCS = [_CSRC / name for name in ("small_gemm.c", "small_gemm_bf16.c", "cached_
 # no implicit FMA contraction: the fused layer's rotary and residual sums round like torch's separate ops
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _PACKED: dict[tuple[int, str], tuple] = {}  # (id(weight), path) -> (weakref, data_ptr, version, packed)
-_state = {"backend": "auto", "onednn": True, "lib": None}  # lib: None = not tried yet, False = unavailable
+# lib: None = not tried yet, False = unavailable; amx: whether the bf16 kernel runs on AMX tiles
+_state = {"backend": "auto", "onednn": True, "lib": None, "amx": False}
 
 
 @contextlib.contextmanager
@@ -103,6 +108,24 @@ def fp32_layout(wide: bool):
     finally:
         lib.tlt_fp32_set_layout(_isa_layout())
         repack()
+
+
+@contextlib.contextmanager
+def bf16_amx(on: bool):
+    """Tests and benchmarks: run the bf16 kernel on AMX tiles (where the CPU has them) or on vdpbf16ps inside a
+    block. The packed weights serve both; the two round differently, so a run keeps one."""
+    lib = small_gemm_lib()
+    before = _state["amx"]
+    _state["amx"] = bool(lib.tlt_bf16_amx(int(on and cpu_has_amx_bf16())))
+    try:
+        yield _state["amx"]
+    finally:
+        _state["amx"] = bool(lib.tlt_bf16_amx(int(before)))
+
+
+def bf16_uses_amx() -> bool:
+    """Whether tlt's bf16 matmul kernel runs on AMX tiles in this process (see the module doc)."""
+    return small_gemm_lib() is not None and _state["amx"]
 
 
 def _isa_layout() -> int:
@@ -145,7 +168,9 @@ def small_gemm_lib():
             lib.tlt_pack_bf16.argtypes = [vp, i32, i32, vp]
             lib.tlt_small_gemm_bf16.argtypes = [vp, i32, i32, i64, vp, i32, vp, vp, vp, i32]
             lib.tlt_decode_layer_bf16.argtypes = lib.tlt_decode_layer.argtypes
+            lib.tlt_bf16_amx.argtypes, lib.tlt_bf16_amx.restype = [i32], i32
             lib.tlt_fp32_set_layout(_isa_layout())
+            _state["amx"] = bool(lib.tlt_bf16_amx(int(cpu_has_amx_bf16())))
             _state["lib"] = lib
         except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", None) or e

@@ -9,9 +9,19 @@
 // width and the rows of a pass do not change a bit of it. The output is fp32 (y32) or rounded to bf16 (y16, round
 // to nearest even, as torch's bf16 matmul rounds its fp32 accumulators). Only called where the CPU has
 // avx512_bf16 (kernels.py checks); built with the others.
+//
+// On a CPU with AMX (tlt_bf16_amx turned it on), every call whose K is a multiple of 32 runs on the tile unit
+// instead, over the same packed panels: blocks of up to 16 rows, four 16-column tiles of fp32 sums a panel, and
+// TDPBF16PS over 32 k at a time in order. Its sums differ from vdpbf16ps's in the last bits (the tile unit keeps more
+// of each product pair), so the choice holds for the whole process, at every row count; its rows are as
+// batch-independent (each output one element's chain of TDPBF16PS over k in order, whatever the block holds). Two
+// threads of a Xeon with AMX, the five matmul shapes of a SmolLM2 layer + LM head: as fast at one row, 2-7x at 8-96
+// rows (docs/design.md §9).
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define BPANEL 64
 #define BROWS 6
@@ -72,6 +82,81 @@ BPANEL_ROWS(4)
 BPANEL_ROWS(5)
 BPANEL_ROWS(6)
 
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define TLT_AMX 1
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f")))
+#define AMX_ROWS 16
+static int use_amx = 0;
+static __thread int amx_rows = 0;  // the rows this thread's tile configuration holds; 0 = none loaded
+
+// Turn the tile path on (1) or off (0); returns whether it is on. Turning it on asks Linux for the tile data state
+// (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA; Linux 5.16+), once: where that is refused it stays off.
+// The caller checks the CPU has AMX-BF16.
+int tlt_bf16_amx(int on) {
+    static int granted = -1;
+    if (on && granted < 0) granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    use_amx = on && granted > 0;
+    return use_amx;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+// tiles 0-3: R x 16 fp32 sums; 4: R rows x 32 bf16 of x; 5-7: 16 pairs of k x 16 columns x 2 of the panel
+AMX_TARGET static void amx_configure(int R) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = t < 5 ? R : 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+    amx_rows = R;
+}
+
+// R <= 16 rows of x (row stride xs elements) against one panel ([K/2][64][2]: a tile's 16 pairs of k are rows 256
+// bytes apart), K % 32 == 0 -> acc [R][64]
+AMX_TARGET static void amx_panel(const uint16_t* x, int64_t xs, int R, int K, const uint16_t* p, float* acc) {
+    if (R != amx_rows) amx_configure(R);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k = 0; k < K; k += 32) {
+        const uint16_t* pk = p + (size_t)(k / 2) * BPANEL * 2;
+        _tile_loadd(4, x + k, xs * 2);
+        _tile_loadd(5, pk, BPANEL * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, pk + 32, BPANEL * 4);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, pk + 64, BPANEL * 4);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, pk + 96, BPANEL * 4);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, acc, BPANEL * 4);
+    _tile_stored(1, acc + 16, BPANEL * 4);
+    _tile_stored(2, acc + 32, BPANEL * 4);
+    _tile_stored(3, acc + 48, BPANEL * 4);
+}
+
+AMX_TARGET static void amx_release(void) {
+    if (amx_rows) _tile_release();
+    amx_rows = 0;
+}
+#else
+#define AMX_ROWS BROWS
+static const int use_amx = 0;
+int tlt_bf16_amx(int on) { (void)on; return 0; }
+static void amx_panel(const uint16_t* x, int64_t xs, int R, int K, const uint16_t* p, float* acc) {}
+static void amx_release(void) {}
+#endif
+
 // Logits-sized fp32 outputs (at least this many bytes, larger than L2) are written with non-temporal stores: a
 // normal store first reads each line it fills (read for ownership), which cost ~15% of a 64 x 384 x 49152 LM head
 // (the 30M model's, bs 64) on the Zen 4 EPYC. The sampler reads the logits once afterwards, from memory either way.
@@ -82,19 +167,21 @@ BF16_TARGET void tlt_small_gemm_bf16(const uint16_t* x, int M, int K, int64_t xs
                                      const float* bias, float* y32, uint16_t* y16, int threads) {
     int panels = (N + BPANEL - 1) / BPANEL, K2 = (K + 1) / 2;
     int stream = y32 && (size_t)M * N * sizeof(float) >= STREAM_MIN_BYTES && N % 16 == 0 && (uintptr_t)y32 % 64 == 0;
+    int amx = use_amx && K % 32 == 0, rows = amx ? AMX_ROWS : BROWS;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static) nowait
     for (int j = 0; j < panels; j++) {
         const uint16_t* p = packed + (size_t)j * K2 * BPANEL * 2;
         int n0 = j * BPANEL, width = N - n0 < BPANEL ? N - n0 : BPANEL;
-        float acc[BROWS * BPANEL];
+        float acc[AMX_ROWS * BPANEL];
         const uint16_t* pf = M > 3 && j + 1 < panels ? p + (size_t)K2 * BPANEL * 2 : NULL;  // next panel
-        for (int m = 0; m < M; m += BROWS) {
-            int R = M - m < BROWS ? M - m : BROWS;
+        for (int m = 0; m < M; m += rows) {
+            int R = M - m < rows ? M - m : rows;
             const uint16_t* xr = x + (size_t)m * xs;
             const uint16_t* f = m == 0 ? pf : NULL;
-            switch (R) {
+            if (amx) amx_panel(xr, xs, R, K, p, acc);
+            else switch (R) {
                 case 1: bpanel_1(xr, xs, K2, p, f, acc); break;
                 case 2: bpanel_2(xr, xs, K2, p, f, acc); break;
                 case 3: bpanel_3(xr, xs, K2, p, f, acc); break;
@@ -125,5 +212,6 @@ BF16_TARGET void tlt_small_gemm_bf16(const uint16_t* x, int M, int K, int64_t xs
         }
     }
     if (stream) _mm_sfence();  // this thread's streamed lines are visible before the region's closing barrier
+    if (amx) amx_release();    // a thread holding no tile state saves and restores none on a context switch
     }
 }
