@@ -352,10 +352,10 @@ def test_ngram_index_catch_up_is_not_charged_to_the_arm(tiny_llama_dir, monkeypa
     assert llm.spec.ngram.index_time_s >= 0.05 * len(ngram)  # every step caught up on the tokens it added
 
 
-def test_the_critical_row_is_given_to_the_bandit_only_when_no_request_waits(tiny_llama_dir, monkeypatch):
+def test_the_batch_end_gain_is_given_to_the_bandit_only_when_no_request_waits(tiny_llama_dir, monkeypatch):
     """Three requests, two slots: while the third waits, steps are valued by all their tokens (critical None); once
-    it runs, by what the row with the most tokens left to its max_tokens gained (a row with 30 left, beside rows
-    with 6 and fewer, is the one whose end ends the rollout). Checked against each row's own output lengths."""
+    it runs, by how many tokens nearer the furthest row's end the step came (a row with 30 left, beside rows with 6
+    and fewer, is the one whose end ends the rollout). Checked against each row's own output lengths."""
     from tlt.speculative.spec_decoder import SpecDecoder
     llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=2, speculative_config=NGRAM)
     seen, update, step = [], llm.spec.bandit.update, SpecDecoder.step
@@ -365,8 +365,7 @@ def test_the_critical_row_is_given_to_the_bandit_only_when_no_request_waits(tiny
         before = [len(s.output_ids) for s in seqs]
         waiting = self.engine.requests_waiting
         done = step(self, seqs)
-        most = max(left)
-        gained = min(len(s.output_ids) - b for s, b, n in zip(seqs, before, left) if n == most)
+        gained = max(left) - max(n - (len(s.output_ids) - b) for s, b, n in zip(seqs, before, left))
         seen.append((waiting, gained))
         return done
     monkeypatch.setattr(SpecDecoder, "step", spy)
@@ -378,17 +377,28 @@ def test_the_critical_row_is_given_to_the_bandit_only_when_no_request_waits(tiny
     llm.generate(prompts, params)
     assert len(got) == len(seen) and any(w for w, _ in seen) and not all(w for w, _ in seen)
     assert got == [None if waiting else gained for waiting, gained in seen]
-    assert _critical_rows_of([(10, 6, 2), (10, 30, 5), (12, 28, 4)]) == [(1, 5)]  # left: 4, 25, 24
-    assert _critical_rows_of([(10, 6, 2), (10, 8, 4)]) == [(0, 2), (1, 4)]      # tied: both
+    assert any(g > 1 for g in got if g is not None)  # some steps came more than a token nearer
 
 
-def _critical_rows_of(rows):
-    """_critical_rows over sequences given as (prompt length, max_tokens, output length)."""
+@pytest.mark.parametrize("rows, gains, end", [
+    ([(10, 30, 5), (12, 28, 4), (10, 6, 2)], [3, 1, 3], 2),  # left 25, 24, 4: the row one behind gained 1
+    ([(10, 30, 5), (12, 28, 4)], [3, 3], 3),                 # both 3: the end came 3 nearer
+    ([(10, 8, 4), (10, 6, 2)], [1, 3], 1),                   # tied at 4 left: the one that gained 1
+    ([(10, 30, 5), (12, 28, 4), (10, 6, 2)], [1, 1, 1], 1),  # a plain step: 1
+])
+def test_end_gain_counts_the_row_that_becomes_the_furthest(rows, gains, end):
+    """_end_gain over rows given as (prompt length, max_tokens, output length before the step) and the tokens each
+    gained. Control: the furthest row's own gain (the rule before) differs in the first case."""
     from tlt.engine.sequence import Sequence
-    from tlt.speculative.spec_decoder import _critical_rows
+    from tlt.speculative.spec_decoder import _end_gain, _rows_left
     seqs = [Sequence(i, i, 0, i, [1] * p, tlt.SamplingParams(max_tokens=m), torch.Generator(), output_ids=[2] * o)
             for i, (p, m, o) in enumerate(rows)]
-    return _critical_rows(seqs)
+    before = _rows_left(seqs)
+    for s, g in zip(seqs, gains):
+        s.output_ids.extend([2] * g)
+    assert _end_gain(seqs, before) == end
+    furthest = max(range(len(rows)), key=lambda i: before[i][0])
+    assert (gains[furthest] != end) == (gains == [3, 1, 3])
 
 
 def test_a_closed_bucket_keeps_no_hidden_states_and_a_new_drafter_resumes_the_capture(sharp_llama):

@@ -42,7 +42,9 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   1.28 (the row behind is behind because it accepts less), so priced by the average it looked 1.06x and took up to 65%
   of the steps, while `tlt bench spec` at bs 2 ran 0.72-0.83x of plain decoding's speed, the lagging row finishing
   alone at bs 1. Where a request waits, a finished row's slot is refilled and every token counts alike. Rows that stop
-  at EOS before their limit make the critical row a guess: the row furthest from its limit.
+  at EOS before their limit make the critical row a guess: the row furthest from its limit. The caller's `critical`
+  is how many tokens nearer that end a step came (the most tokens a row had left, less the most any row has left
+  after it), not what the furthest row gained: where it gained 3 and the row one behind it 1, the end came 2 nearer.
 - "off" is kept unless an SD arm beats it by `min_gain` (a tie costs SD's variance for nothing).
 - An arm is untried until a step of it is recorded, and an SD step is recorded only once its bucket has an "off"
   step to measure it against. The caller leaves out steps that captured a CUDA graph (tlt.speculative.spec_decoder):
@@ -397,7 +399,7 @@ class StrategyBandit:
 
     def update(self, batch_size: int, arm: Arm, tokens: float, seconds: float, critical: float | None = None) -> None:
         """Record one step of `arm` run at `batch_size` (the size it was selected for): tokens emitted, seconds.
-        critical: the tokens it gave the batch's critical row (the one with the most left to generate), where no
+        critical: how many tokens nearer it brought the end of the batch's critical row (module doc), where no
         request waits for a slot, so that the batch can only shrink and its rollout ends with that row; None where
         one waits (a finished row's slot is refilled: every token counts alike). See the module doc.
         An SD step before any "off" step of its bucket is not recorded (nothing to measure it against yet)."""

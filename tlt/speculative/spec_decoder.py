@@ -233,10 +233,10 @@ class SpecDecoder:
         # where none waits, the rows may follow a loop (StrategyBandit.select); none loop most of the time
         rows = None if waiting or not self.bandit.streak else [s.seq_id for s in seqs]
         arm = self.bandit.select(len(seqs), rows)
-        # an SD step's worth with no request waiting: what it gives the critical row (a plain step is worth itself);
+        # an SD step's worth with no request waiting: how much nearer it brings the batch's end (a plain step's: 1);
         # also a step run because a row loops (docs/design.md §6: valued by the looping rows instead, such steps lost
         # time on an AVX2 CPU and kept running)
-        critical = None if arm.method == "off" or waiting else _critical_rows(seqs)
+        critical = None if arm.method == "off" or waiting else _rows_left(seqs)
         # an n-gram step tells whether the rows that loop still do (also where a request waits)
         before = [len(s.output_ids) for s in seqs] if arm.method == "ngram" and self.bandit.streak else None
         bucket = self.bandit.bucket_name(self.bandit.bucket(len(seqs)))
@@ -271,8 +271,8 @@ class SpecDecoder:
         # index's catch-up on the tokens its pools gained since an n-gram step last read them (all of them, prompts
         # included, at a sequence's first)
         seconds = time.perf_counter() - t0 - (self.ngram.index_time_s - indexing)
-        if critical is not None:  # the tokens the critical row gained (the least among rows tied for it)
-            critical = min(len(seqs[i].output_ids) - before for i, before in critical)
+        if critical is not None:  # how many tokens nearer the batch's furthest end the step came
+            critical = _end_gain(seqs, critical)
         if self.engine.num_graph_captures == captures:
             if arm.method != "off" and (plain := self.bandit.plain_seconds(len(seqs), emitted, critical)) is not None:
                 self.st["sd_step_time_s"] += seconds
@@ -499,10 +499,16 @@ def _sampling_rows(seqs: list[Sequence]) -> tuple[list[float], list[int], list[f
     return ([s.params.temperature for s in seqs], [s.params.top_k for s in seqs], [s.params.top_p for s in seqs])
 
 
-def _critical_rows(seqs: list[Sequence]) -> list[tuple[int, int]]:
-    """(index, output length) of the rows with the most tokens left to their limit (max_tokens or the context): with
-    no request waiting, the batch only shrinks, and a rollout of rows that run to their limit ends with these
-    (StrategyBandit.update)."""
-    left = [s.max_total_len - s.num_tokens for s in seqs]
-    most = max(left)
-    return [(i, len(s.output_ids)) for i, (s, n) in enumerate(zip(seqs, left)) if n == most]
+def _rows_left(seqs: list[Sequence]) -> list[tuple[int, int]]:
+    """(tokens left to its limit, output length) per row (max_tokens or the context): with no request waiting the
+    batch only shrinks, and a rollout of rows that run to their limit ends with the one furthest from it."""
+    return [(s.max_total_len - s.num_tokens, len(s.output_ids)) for s in seqs]
+
+
+def _end_gain(seqs: list[Sequence], before: list[tuple[int, int]]) -> int:
+    """How many tokens nearer a step brought the end of a batch whose rows all run to their limit: the most tokens a
+    row had left (`_rows_left` before the step), less the most any row has left after it, counting the tokens each
+    gained, also a row that finished (StrategyBandit.update's `critical`). A plain step's is 1. Not what the furthest
+    row gained: where it gained 3 and the row one behind it 1, the end came 2 nearer (docs/design.md §6)."""
+    most = max(left for left, _ in before)
+    return most - max(left - (len(s.output_ids) - n) for s, (left, n) in zip(seqs, before))
