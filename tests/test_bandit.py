@@ -853,7 +853,8 @@ def test_an_open_bucket_runs_its_n_gram_arm_while_a_row_loops():
     n-gram drafter, asked before plain steps, guessed a row's next token `follow` (4) times in a row, the row loops,
     and while a row of the batch loops the bucket runs the n-gram arm for the looping rows (`following`: the rows it
     drafts for); a step where that row gains no drafted token ends its loop, and so does its finishing, while a step
-    with a request waiting (rows=None) does not follow.
+    with a request waiting (rows=None) does not follow, nor one where a row that does not loop has as many tokens left
+    as the looping row or more (`left`: drafting for it brings the batch's end no nearer).
     Controls: 3 hits, or 3 hits, a miss and 3 more, keep "off"; another row's hits do not count; a looping row outside
     the batch does not count; follow=0 never follows; a closed bucket asks nothing (its own shadow rule brings its
     probe nearer)."""
@@ -886,8 +887,11 @@ def test_an_open_bucket_runs_its_n_gram_arm_while_a_row_loops():
     for _ in range(4):
         bandit.loop_shadow(11, True)
     assert bandit.select(1, [10, 11]) is ngram and bandit.following == {11}
+    assert bandit.select(1, [11, 12], left=[9, 5]) is ngram and bandit.following == {11}  # it leads: followed
+    assert bandit.select(1, [11, 12], left=[9, 9]) is OFF   # row 12, not looping, ends with it: no nearer end
+    assert bandit.select(1, [11, 12], left=[5, 9]) is OFF and bandit.following is None  # row 12 outlasts it
     bandit.loop_end([11])                            # it finished
-    assert bandit.select(1, [10, 11]) is OFF and bandit.loop_steps == 4 and bandit.streak == {}
+    assert bandit.select(1, [10, 11]) is OFF and bandit.loop_steps == 5 and bandit.streak == {}
 
     bandit = fresh()
     for hit in [True] * 3 + [False] + [True] * 3:

@@ -495,7 +495,7 @@ def test_an_open_bucket_asks_the_n_gram_drafter_about_each_row_and_follows_its_l
                                                      follow_loops=follow))
         spec, asked, hits, keys, gains = llm.spec, [], [], [], []
         spec.bandit.close = False  # stays open (the rules that close: tests/test_bandit.py)
-        spec.bandit.select = lambda bs, rows=None: keys.append(rows) or arm  # one arm throughout
+        spec.bandit.select = lambda bs, rows=None, left=None: keys.append(rows) or arm  # one arm throughout
         propose = spec.ngram.propose
         spec.ngram.propose = lambda seq_id, k=None: asked.append(
             (list(spec.ngram.seqs[seq_id].tokens), propose(seq_id, k))) or asked[-1][1]
@@ -551,14 +551,17 @@ def test_a_step_run_for_the_looping_rows_drafts_for_those_rows_only(sharp_llama)
         spec.bandit.streak[-1] = 4  # a row of no batch: the steps pass their rows' keys
         arm = Arm("ngram4", "ngram", 4, 1, 4)
 
-        def select(bs, rows=None):
+        def select(bs, rows=None, left=None):
             spec.bandit.following = {rows[-1]} if loops else None  # the batch's last row loops
             chosen.append(spec.bandit.following)
+            lefts.append(left)
             return arm
+        lefts = []
         spec.bandit.select = select
         propose = spec.ngram.propose
         spec.ngram.propose = lambda seq_id, k=None: asked.append((len(chosen), seq_id)) or propose(seq_id, k)
         outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert lefts[0] == [23, 23]  # each row's tokens left to max_tokens (the prefill gave it one)
         return outputs, asked, chosen, told
 
     outputs, asked, chosen, told = run(loops=True)
@@ -587,7 +590,7 @@ def test_no_row_is_asked_about_or_followed_while_a_request_waits_and_the_asks_go
     spec.bandit.close = False
     spec.bandit.streak[-1] = 4  # a row of no batch: steps where rows may follow a loop pass their keys
 
-    def select(bs, rows=None):
+    def select(bs, rows=None, left=None):
         steps.append((llm.engine.requests_waiting, rows, []))
         return OFF_ARM
 

@@ -232,7 +232,7 @@ class SpecDecoder:
         waiting = self.engine.requests_waiting
         # where none waits, the rows may follow a loop (StrategyBandit.select); none loop most of the time
         rows = None if waiting or not self.bandit.streak else [s.seq_id for s in seqs]
-        arm = self.bandit.select(len(seqs), rows)
+        arm = self.bandit.select(len(seqs), rows, rows and [s.max_total_len - s.num_tokens for s in seqs])
         # an SD step's worth with no request waiting: how much nearer it brings the batch's end (a plain step's: 1);
         # also a step run because a row loops (docs/design.md §6: valued by the looping rows instead, such steps lost
         # time on an AVX2 CPU and kept running)
