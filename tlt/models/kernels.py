@@ -16,8 +16,9 @@
   1.1-1.2x at 1-64 rows; its rows are batch-independent as the fp32 kernel's. On a CPU with AMX the same call runs
   on the tile unit (blocks of 16 rows, TDPBF16PS), over the same packed weight, for the whole process (its sums
   differ from vdpbf16ps's in the last bits, so the two never mix; its rows are as batch-independent): a Xeon with
-  AMX, two threads, the five shapes: as fast at one row, 2-7x at 8-96 rows. `bf16_amx(False)` turns it off inside a
-  block, as does ONEDNN_MAX_CPU_ISA without AMX (oneDNN's own cap) for the process.
+  AMX, two threads, SmolLM2-135M decoding: 1.08 / 0.93 / 1.46 / 2.79x at bs 1 / 4 / 16 / 64 (docs/design.md §9).
+  `bf16_amx(False)` turns it off inside a block, as does ONEDNN_MAX_CPU_ISA without AMX (oneDNN's own cap) for the
+  process.
 - bf16 otherwise (more rows, no AVX512-BF16): a oneDNN-prepacked weight. Bit-identical to F.linear and about 2x
   faster at decode batch sizes on a CPU with avx512_bf16 (a [1, 576] x [576, 3072] matmul: 115 -> 59 us on one
   EPYC core).
