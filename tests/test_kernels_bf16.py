@@ -70,10 +70,10 @@ def test_small_gemm_bf16_rows_are_batch_independent():
 
 
 @pytest.mark.skipif(not cpu_has_amx_bf16(), reason="no AMX-BF16 on this CPU")
-def test_amx_is_on_by_default_and_rounds_apart_from_vdpbf16ps(monkeypatch, matmul_unit):
-    """On a CPU with AMX the bf16 kernel runs on the tiles unless asked not to: its fp32 sums differ from vdpbf16ps's
-    in the last bits (the switch is real), both within fp32 sums of the float64 product. oneDNN's ISA cap without
-    AMX turns it off."""
+def test_amx_is_opt_in_and_rounds_apart_from_vdpbf16ps(monkeypatch, matmul_unit):
+    """On a CPU with AMX the bf16 kernel runs on the tiles where asked (TLT_BF16_AMX=1): its fp32 sums differ from
+    vdpbf16ps's in the last bits (the switch is real), both within fp32 sums of the float64 product. oneDNN's ISA cap
+    without AMX keeps it off."""
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(300, 576, generator=g).bfloat16(), torch.randn(9, 576, generator=g).bfloat16()
     with torch.inference_mode():
@@ -88,8 +88,12 @@ def test_amx_is_on_by_default_and_rounds_apart_from_vdpbf16ps(monkeypatch, matmu
     for got in (tiles, lanes):
         assert ((got.double() - ref).abs() <= 1e-5 * float(ref.abs().max())).all()
     assert not torch.equal(tiles, lanes)
+    monkeypatch.delenv("TLT_BF16_AMX", raising=False)
+    assert not kernels.amx_requested()
+    monkeypatch.setenv("TLT_BF16_AMX", "1")
+    assert kernels.amx_requested()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
-    assert not cpu_has_amx_bf16()
+    assert not cpu_has_amx_bf16() and not kernels.amx_requested()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
     assert cpu_has_amx_bf16()
 

@@ -95,8 +95,8 @@ def cpu_has_fast_bf16() -> bool:
 
 def cpu_has_amx_bf16() -> bool:
     """True when the CPU has AMX with bf16 tiles (Sapphire Rapids and later Xeons) besides AVX512-BF16, and oneDNN's
-    ONEDNN_MAX_CPU_ISA, where set, allows AMX: tlt's bf16 matmul kernel then runs on the tile unit (docs/design.md
-    §9)."""
+    ONEDNN_MAX_CPU_ISA, where set, allows AMX: tlt's bf16 matmul kernel can then run on the tile unit (opt-in,
+    TLT_BF16_AMX=1; docs/design.md §9)."""
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
     return {"amx_tile", "amx_bf16"} <= _cpu_flags() and cpu_has_avx512_bf16() and (not isa or "AMX" in isa
                                                                                      or isa == "ALL")

@@ -17,8 +17,8 @@
   on the tile unit (blocks of 16 rows, TDPBF16PS), over the same packed weight, for the whole process (its sums
   differ from vdpbf16ps's in the last bits, so the two never mix; its rows are as batch-independent): a Xeon with
   AMX, two threads, SmolLM2-135M decoding: 1.08 / 0.93 / 1.46 / 2.79x at bs 1 / 4 / 16 / 64 (docs/design.md §9).
-  `bf16_amx(False)` turns it off inside a block, as does ONEDNN_MAX_CPU_ISA without AMX (oneDNN's own cap) for the
-  process.
+  Opt-in for the process with TLT_BF16_AMX=1 (the default run's learning with it is not yet established, §9);
+  ONEDNN_MAX_CPU_ISA without AMX (oneDNN's own cap) keeps it off; `bf16_amx(on)` sets it inside a block.
 - bf16 otherwise (more rows, no AVX512-BF16): a oneDNN-prepacked weight. Bit-identical to F.linear and about 2x
   faster at decode batch sizes on a CPU with avx512_bf16 (a [1, 576] x [576, 3072] matmul: 115 -> 59 us on one
   EPYC core).
@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import os
 import shutil
 import subprocess
 import warnings
@@ -124,6 +125,12 @@ def bf16_amx(on: bool):
         _state["amx"] = bool(lib.tlt_bf16_amx(int(before)))
 
 
+def amx_requested() -> bool:
+    """Whether this process asks for the bf16 kernel on AMX tiles: TLT_BF16_AMX set to anything but "" or "0", on a
+    CPU with AMX-BF16 that oneDNN's ISA cap allows."""
+    return os.environ.get("TLT_BF16_AMX", "0") not in ("", "0") and cpu_has_amx_bf16()
+
+
 def bf16_uses_amx() -> bool:
     """Whether tlt's bf16 matmul kernel runs on AMX tiles in this process (see the module doc)."""
     return small_gemm_lib() is not None and _state["amx"]
@@ -171,7 +178,7 @@ def small_gemm_lib():
             lib.tlt_decode_layer_bf16.argtypes = lib.tlt_decode_layer.argtypes
             lib.tlt_bf16_amx.argtypes, lib.tlt_bf16_amx.restype = [i32], i32
             lib.tlt_fp32_set_layout(_isa_layout())
-            _state["amx"] = bool(lib.tlt_bf16_amx(int(cpu_has_amx_bf16())))
+            _state["amx"] = bool(lib.tlt_bf16_amx(int(amx_requested())))
             _state["lib"] = lib
         except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", None) or e
