@@ -638,19 +638,19 @@ def test_probes_that_find_nothing_back_off_and_news_starts_the_waits_again():
 def test_n_gram_hits_in_a_closed_bucket_bring_its_probe_nearer():
     """A closed bucket waits 2 s of plain decoding (steps of 0.06 s) for its probe: it lost 0.1 s. Where the n-gram
     drafter, asked at each plain step, would have proposed the drawn token at all of the last 16 (a repetitive
-    stretch), the wait is a quarter of that, 0.5 s, but 16 steps must be asked first; at a hit rate h it is 1 - h of
-    it: at half of them, half; with hits from the 11th step on, it shrinks as they fill the 16; none held, or no
-    n-gram arm: all of it. Only a closed bucket with an n-gram arm asks (`shadowing`), and a probe starts the count
-    again."""
+    stretch), the wait is an eighth of that, 0.25 s, but 16 steps must be asked first (lost 0.4 s: 8 s, and 1 s); at
+    a hit rate h it is 1 - h of it: at half of them, half; with hits from the 11th step on, it shrinks as they fill
+    the 16; none held, or no n-gram arm: all of it. Only a closed bucket with an n-gram arm asks (`shadowing`), and a
+    probe starts the count again."""
     chain, ngram = Arm("chain2", "eagle_chain", 2, 1, 2), Arm("ngram4", "ngram", 4, 1, 4)
 
-    def steps_to_probe(hits, arms=(OFF, chain, ngram)):
+    def steps_to_probe(hits, arms=(OFF, chain, ngram), lost=0.1):
         bandit = _one_bucket(list(arms), epsilon=0.0, min_samples=1, probe=0.05)
         bandit.update(1, OFF, 1.0, 1.0)
         for arm in arms[1:]:
-            bandit.update(1, arm, 0.9 if arm is arms[-1] else 1.0, 1.0)  # lost 0.1 s (the chain beside n-gram none)
+            bandit.update(1, arm, 1.0 - lost if arm is arms[-1] else 1.0, 1.0)  # (the chain beside n-gram none)
         assert bandit.closed_buckets() == ["bs>=1"] and bandit.shadowing(1) is (ngram in arms)
-        for n in range(1, 100):
+        for n in range(1, 200):
             if ngram in arms:
                 bandit.shadow(1, hits(n))
             bandit.update(1, OFF, 0.06, 0.06)
@@ -663,6 +663,8 @@ def test_n_gram_hits_in_a_closed_bucket_bring_its_probe_nearer():
     assert steps_to_probe(lambda n: n % 2 == 0) == 17  # 1.02 s >= 1 s
     assert steps_to_probe(lambda n: n > 10) == 18  # 1.08 s >= 2 s * (1 - 8 / 16)
     assert steps_to_probe(lambda n: False) == 34 and steps_to_probe(lambda n: True, (OFF, chain)) == 34
+    # lost 0.4 s -> 8 s; all hits: an eighth, 1 s (17 steps; a quarter would be 34)
+    assert steps_to_probe(lambda n: True, lost=0.4) == 17 and steps_to_probe(lambda n: False, lost=0.4) == 134
 
 
 def test_a_new_drafter_reopens_only_the_closed_buckets_where_its_gain_could_pay():

@@ -72,11 +72,13 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   at bs 2-16, so a 10% better drafter cannot pay there, and reopening cost the next rollout its exploration
   again. Without closing, exploration and the rechecks of dominated arms cost a steady share of SD steps that
   lose, and the capture costs every step, in buckets where SD never pays.
-- A closed bucket also opens again by itself to probe (`probe`, 0.02): once plain decoding there has taken
+- A closed bucket also opens again by itself to probe (`probe`, 0.01): once plain decoding there has taken
   1 / probe times the seconds SD lost there (its ledger, over the last `window` steps, when it closed), and at least
   SHADOW (16) plain steps, with its SD arms' windows emptied, so each is tried afresh. Where SD never pays, the probes
-  cost about `probe` of the bucket's time (at 0.05, `tlt bench spec` lost 2-6% at bs 1-32 on a 2-core CPU); where it
-  starts to pay, SD gets its chance without waiting for a drafter. A probe that finds SD still losing (the bucket
+  cost about `probe` of the bucket's time, and the retired drafter arms' own probes (below) as much again (at 0.05,
+  `tlt bench spec` lost 2-6% at bs 1-32 on a 2-core CPU; at 0.02, 0.95-1.01x of plain decoding at bs 4 in nine
+  runs on two CPUs, where rows that all run to the limit together leave SD nothing to gain); where it starts to pay,
+  SD gets its chance without waiting for a drafter. A probe that finds SD still losing (the bucket
   closes again) doubles the next wait, up to 2 ** `backoff` (4: 16x) times the first, and the retired drafter arms'
   own probes back off alike: on `tlt bench spec` each probe at bs 8 ran 15-25 SD steps at 1.3-2x a plain step's
   cost (every arm tried afresh, then min_samples steps each before it could close again), about 0.25 s in a 2.6 s
@@ -88,8 +90,9 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   about 4-4.6 tokens a step (docs/design.md §6). Without probing, a closed bucket reopens only for a new drafter.
 - The wait for a probe is shorter where the text repeats: at each plain step a closed bucket with an n-gram arm asks
   the n-gram drafter for one row's next token (rows in turn; `NgramDrafter.propose` with k = 1, which may differ
-  from a longer draft's first token), and at a hit rate h over the last 16 asked the wait is max(1 - h, 1/4) of the
-  above: once the rows asked keep hitting, a quarter of it. A false alarm costs at most 4 times `probe`. Not
+  from a longer draft's first token), and at a hit rate h over the last 16 asked the wait is max(1 - h, 1/8) of the
+  above: once the rows asked keep hitting, an eighth of it (as soon as a quarter at probe 0.02: a loop is probed
+  as early as then, a probe that guesses blindly costs half). A false alarm costs at most 8 times `probe`. Not
   1 - h ** d, as if a d-token draft's tokens held independently: in a loop they hold together, and that wait missed
   the loops (docs/design.md §6).
 - A bucket stays open while any SD arm pays there, and on a 2-core CPU what paid was the n-gram arm in looping tails
@@ -128,6 +131,7 @@ SD_METHODS = tuple(m for m in METHODS if m != "off")
 DRAFTER_METHODS = ("eagle_chain", "eagle_tree")  # the arms that draft with the learned drafter (and need its states)
 MODEL_FREE_METHODS = tuple(m for m in SD_METHODS if m not in DRAFTER_METHODS)
 SHADOW = 16  # a closed bucket's shadow n-gram steps that set its hit rate; no probe before that many plain steps
+SHADOW_FLOOR = 1 / 8  # the least share of its wait a closed bucket waits where the shadow keeps hitting
 PRICE_STEPS = 8  # the "off" steps at a batch size whose lower median prices a plain step there
 
 
@@ -257,7 +261,7 @@ class StrategyBandit:
     def __init__(self, bucket_bounds: Sequence[float] | None = None, arms: Sequence[Sequence[Arm]] | None = None,
                  epsilon: float = 0.1, window: int = 300, seed: int = 0, min_gain: float = 0.03,
                  margin: float = 0.15, min_samples: int = 5, recheck: float = 0.1, far: float = 0.5,
-                 close: bool = True, reprice_every: int = 16, probe: float = 0.02, refresh: int = 32,
+                 close: bool = True, reprice_every: int = 16, probe: float = 0.01, refresh: int = 32,
                  follow: int = 4, backoff: int = 4):
         if bucket_bounds is None and arms is None:
             bucket_bounds, arms = default_arm_table("cpu")
@@ -626,12 +630,12 @@ class StrategyBandit:
             self._reopen(b, methods, 0 if retired else keep)
 
     def _probe_wait(self, b: int) -> float:
-        """The plain seconds closed bucket b decodes before it probes: `probe_after`, times max(1 - h, 1/4) at the
+        """The plain seconds closed bucket b decodes before it probes: `probe_after`, times max(1 - h, 1/8) at the
         n-gram shadow's hit rate h, and times 2 for each probe in a row that found nothing (up to 2 ** backoff)
         unless h >= 1/2: the text repeating is news a probe has not seen."""
         h = self.shadow_rate(b)
         misses = self.probe_misses[b] if h < 0.5 else 0
-        return self.probe_after[b] * max(1.0 - h, 0.25) * self._backed_off(misses)
+        return self.probe_after[b] * max(1.0 - h, SHADOW_FLOOR) * self._backed_off(misses)
 
     def _backed_off(self, misses: int) -> int:
         """The factor on a probe's wait after `misses` probes in a row that found nothing: 2 ** misses, up to

@@ -35,13 +35,14 @@ class SpecConfig:
                                        "or capturing hidden states, until it probes again (probe_closed) or a new "
                                        "drafter is published; in a bucket that stays open, the learned drafter's "
                                        "arms retire alike where they lost (docs/design.md §6)")
-    probe_closed: float = option(0.02, "a closed bucket opens again to probe, every SD arm tried afresh (the "
+    probe_closed: float = option(0.01, "a closed bucket opens again to probe, every SD arm tried afresh (the "
                                        "learned drafter's, where they retired, wait for their own probe, counted "
                                        "alike from what they lost), once it has "
                                        "decoded plainly for 1 / probe_closed times the seconds SD lost there before "
                                        "it closed, sooner where the n-gram drafter, asked one row's next token each "
                                        "plain step, keeps guessing it (a repetitive tail): where SD never pays, "
-                                       "probing costs about this fraction of the bucket's time. 0 = only a new "
+                                       "each of the two probes costs about this fraction of the bucket's time. "
+                                       "0 = only a new "
                                        "drafter reopens it (docs/design.md §6)",
                                  ge=0, le=0.5)
     probe_backoff: int = option(4, "each probe in a row that finds SD still not paying doubles the next wait of "
