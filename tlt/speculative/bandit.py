@@ -82,9 +82,9 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   closes again) doubles the next wait, up to 2 ** `backoff` (4: 16x) times the first, and the retired drafter arms'
   own probes back off alike: on `tlt bench spec` each probe at bs 8 ran 15-25 SD steps at 1.3-2x a plain step's
   cost (every arm tried afresh, then min_samples steps each before it could close again), about 0.25 s in a 2.6 s
-  round, and at a steady 2% those episodes came every few rounds. A probe where SD pays or a new drafter that
-  reopens the bucket starts the waits again; while the shadow's hit rate is half or more (the text repeats: news no
-  probe has seen) the wait is the first one's.
+  round, and at a steady 2% (then the default) those episodes came every few rounds. A probe where SD pays or a new
+  drafter that reopens the bucket starts the waits again; while the shadow's hit rate is half or more (the text
+  repeats: news no probe has seen) the wait is the first one's.
   What pays changes with the text, not only with the drafter: in a default run three of the four buckets closed in
   the short-tailed first steps, and later steps ended in rows looping to the length limit, where n-gram drafts held
   about 4-4.6 tokens a step (docs/design.md §6). Without probing, a closed bucket reopens only for a new drafter.
