@@ -82,7 +82,7 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   closes again) doubles the next wait, up to 2 ** `backoff` (4: 16x) times the first, and the retired drafter arms'
   own probes back off alike: on `tlt bench spec` each probe at bs 8 ran 15-25 SD steps at 1.3-2x a plain step's
   cost (every arm tried afresh, then min_samples steps each before it could close again), about 0.25 s in a 2.6 s
-  round, and at a steady 2% (then the default) those episodes came every few rounds. A probe where SD pays or a new
+  round, and at a steady `probe` of 0.02 those episodes came every few rounds. A probe where SD pays or a new
   drafter that reopens the bucket starts the waits again; while the shadow's hit rate is half or more (the text
   repeats: news no probe has seen) the wait is the first one's.
   What pays changes with the text, not only with the drafter: in a default run three of the four buckets closed in
@@ -91,8 +91,8 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
 - The wait for a probe is shorter where the text repeats: at each plain step a closed bucket with an n-gram arm asks
   the n-gram drafter for one row's next token (rows in turn; `NgramDrafter.propose` with k = 1, which may differ
   from a longer draft's first token), and at a hit rate h over the last 16 asked the wait is max(1 - h, 1/8) of the
-  above: once the rows asked keep hitting, an eighth of it (as soon as a quarter at probe 0.02: a loop is probed
-  as early as then, a probe that guesses blindly costs half). A false alarm costs at most 8 times `probe`. Not
+  above: once the rows asked keep hitting, an eighth of it (at `probe` 0.01 a loop is probed as early as with a
+  quarter at 0.02, and a blind probe costs half). A false alarm costs at most 8 times `probe`. Not
   1 - h ** d, as if a d-token draft's tokens held independently: in a loop they hold together, and that wait missed
   the loops (docs/design.md §6).
 - A bucket stays open while any SD arm pays there, and on a 2-core CPU what paid was the n-gram arm in looping tails

@@ -41,8 +41,9 @@ class SpecConfig:
                                        "decoded plainly for 1 / probe_closed times the seconds SD lost there before "
                                        "it closed, sooner where the n-gram drafter, asked one row's next token each "
                                        "plain step, keeps guessing it (a repetitive tail): where SD never pays, "
-                                       "each of the two probes costs about this fraction of the bucket's time. "
-                                       "0 = only a new drafter reopens it (docs/design.md §6)",
+                                       "the bucket's probes cost about this fraction of its time, and its retired "
+                                       "drafter arms' as much again. 0 = only a new drafter reopens it "
+                                       "(docs/design.md §6)",
                                  ge=0, le=0.5)
     probe_backoff: int = option(4, "each probe in a row that finds SD still not paying doubles the next wait of "
                                    "its bucket (and that of the learned drafter's retired arms), up to 2 ** "
