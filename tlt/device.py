@@ -22,6 +22,17 @@ def _cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD", ...); "" where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.split(":", 1)[1].strip() if ":" in line else ""
+
+
 @functools.cache  # asked on every inference matmul: the answer never changes in a process
 def cpu_capability() -> str:
     """The instruction set torch dispatches its CPU kernels to: "AVX512", "AVX2", "DEFAULT", ... It is the CPU's

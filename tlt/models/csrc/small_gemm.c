@@ -15,12 +15,20 @@
 #define PANEL 16   // AVX2 layout
 #define WPANEL 64  // AVX-512 layout
 #define ROWS 6  // rows per pass over a panel
-// From PREFETCH_MIN_ROWS + 1 rows, the first pass over a panel prefetches the next one (software prefetch): the
+// From prefetch_min_rows + 1 rows, the first pass over a panel prefetches the next one (software prefetch): the
 // weight then streams from memory while the later passes compute, instead of each panel's first pass waiting on
 // memory and the others on the FMA units. Whole SmolLM2 matmuls per decode step, one AVX2 EPYC core: 4 rows
 // 46.6 -> 42.1 ms, 8 rows 58.8 -> 53.9, 16 rows 85.6 -> 81.0, 32 rows 135 -> 126 (two threads: 7-13% less).
-// At 1-3 rows (one pass, purely memory-bound) it only got in the hardware prefetcher's way.
-#define PREFETCH_MIN_ROWS 3
+// At 1-3 rows (one pass, purely memory-bound) it only got in that CPU's hardware prefetcher's way, so 3 rows is the
+// default; on an Intel Xeon (Emerald Rapids, two threads, SmolLM2-135M's matmuls) it sped the AVX2 layout up
+// 1.07 / 1.28 / 1.24x at 1 / 2 / 3 rows and the AVX-512 one 0.88 / 1.02 / 1.09x, so kernels.py sets 0 and 2 there
+// (tlt_fp32_set_prefetch; docs/design.md §9). A prefetch changes no bit of the output.
+static int prefetch_min_rows[2] = {3, 3};  // AVX2 layout, AVX-512 layout
+
+void tlt_fp32_set_prefetch(int narrow, int wide) {
+    prefetch_min_rows[0] = narrow;
+    prefetch_min_rows[1] = wide;
+}
 #define AVX512_TARGET __attribute__((target("avx512f")))
 
 // The layout in use: 1 = AVX-512 (panels of 64), 0 = AVX2 (panels of 16); -1 = not chosen yet (by the CPU).
@@ -115,7 +123,7 @@ static inline void store_rows(const float* acc, int P, int R, const float* bias,
 
 // One driver per layout (P columns a panel, PFX##_R the R-row pass), with the passes' calls inlined: a call through
 // a table of pass functions instead cost 1-4% (the five 30M-model shapes, in-process A/B).
-#define SMALL_GEMM_LAYOUT(NAME, P, PFX, ATTR)                                                                    \
+#define SMALL_GEMM_LAYOUT(NAME, P, PFX, ATTR, PF)                                                                  \
     ATTR static void NAME(const float* x, int M, int K, const float* packed, int N, const float* bias, float* y, \
                           int threads) {                                                                         \
         int panels = (N + P - 1) / P;                                                                            \
@@ -124,7 +132,7 @@ static inline void store_rows(const float* acc, int P, int R, const float* bias,
             const float* p = packed + (size_t)j * K * P;                                                         \
             int n0 = j * P, width = N - n0 < P ? N - n0 : P;                                                     \
             float acc[ROWS * P];                                                                                 \
-            const float* pf = M > PREFETCH_MIN_ROWS && j + 1 < panels ? p + (size_t)K * P : NULL;             \
+            const float* pf = M > (PF) && j + 1 < panels ? p + (size_t)K * P : NULL;                          \
             for (int m = 0; m < M; m += ROWS) { /* the panel stays in L1/L2 for the next rows */                \
                 int R = M - m < ROWS ? M - m : ROWS;                                                             \
                 const float* xr = x + (size_t)m * K;                                                             \
@@ -141,8 +149,8 @@ static inline void store_rows(const float* acc, int P, int R, const float* bias,
             }                                                                                                    \
         }                                                                                                        \
     }
-SMALL_GEMM_LAYOUT(small_gemm_narrow, PANEL, panel, )
-SMALL_GEMM_LAYOUT(small_gemm_wide, WPANEL, wpanel, AVX512_TARGET)
+SMALL_GEMM_LAYOUT(small_gemm_narrow, PANEL, panel, , prefetch_min_rows[0])
+SMALL_GEMM_LAYOUT(small_gemm_wide, WPANEL, wpanel, AVX512_TARGET, prefetch_min_rows[1])
 
 void tlt_small_gemm(const float* x, int M, int K, const float* packed, int N, const float* bias, float* y,
                     int threads) {

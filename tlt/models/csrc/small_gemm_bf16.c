@@ -161,6 +161,15 @@ static void amx_release(void) {}
 // (the 30M model's, bs 64) on the Zen 4 EPYC. The sampler reads the logits once afterwards, from memory either way.
 #define STREAM_MIN_BYTES (4 << 20)
 
+// From prefetch_min_rows + 1 rows, the pass over a panel prefetches the next one, as in small_gemm.c; 3 unless
+// kernels.py sets it (tlt_bf16_set_prefetch). On an Intel Xeon (Emerald Rapids, two threads, SmolLM2-135M's matmuls
+// and LM head) prefetching at every row count ran 1.14-1.17 / 1.24-1.29 / 1.26-1.34x faster at 1 / 2 / 3 rows and
+// the same from 4: the hardware prefetcher alone read the weight at 10-15 GB/s there, so a verification of 2-3
+// tokens cost 1.25x a plain step's matmuls (docs/design.md §9). It changes no bit of the output.
+static int prefetch_min_rows = 3;
+
+void tlt_bf16_set_prefetch(int rows) { prefetch_min_rows = rows; }
+
 // x [M, xs] bf16 bits with xs >= 2 * ceil(K/2) (an odd K needs x[m, K] == 0: the pad pairs with W's zero pad)
 BF16_TARGET void tlt_small_gemm_bf16(const uint16_t* x, int M, int K, int64_t xs, const uint16_t* packed, int N,
                                      const float* bias, float* y32, uint16_t* y16, int threads) {
@@ -174,7 +183,7 @@ BF16_TARGET void tlt_small_gemm_bf16(const uint16_t* x, int M, int K, int64_t xs
         const uint16_t* p = packed + (size_t)j * K2 * BPANEL * 2;
         int n0 = j * BPANEL, width = N - n0 < BPANEL ? N - n0 : BPANEL;
         float acc[AMX_ROWS * BPANEL];
-        const uint16_t* pf = M > 3 && j + 1 < panels ? p + (size_t)K2 * BPANEL * 2 : NULL;  // next panel
+        const uint16_t* pf = M > prefetch_min_rows && j + 1 < panels ? p + (size_t)K2 * BPANEL * 2 : NULL;
         for (int m = 0; m < M; m += rows) {
             int R = M - m < rows ? M - m : rows;
             const uint16_t* xr = x + (size_t)m * xs;
