@@ -392,6 +392,39 @@ def test_off_runs_every_refresh_choices_where_sd_pays_so_its_price_stays_current
     assert bandit.estimate(0, "ngram2") == pytest.approx(2.4)
 
 
+def test_a_refresh_reprices_at_once_so_sd_is_not_priced_at_a_slower_machine(monkeypatch):
+    """At bs 1 a 2-core VM's plain step drifts by a fifth from one stretch to the next. Here it first takes 20 ms and
+    an n-gram arm pays (1.3 tokens in 22 ms: 1.18x); then the machine runs faster (plain 16 ms) and the text stops
+    repeating (1.06 tokens in 17.6 ms: 0.96x). Where the n-gram arm is the greedy choice "off" runs once every
+    `refresh` (32) choices, and each such step reprices the bucket at once: the price follows within four of them
+    (the lower median of the last 8 "off" steps), the arm falls below "off", and SD runs on few of the next 600
+    steps. Control: repriced only at every 16th "off" step past the young window (the rule before), the bucket kept
+    the 20 ms price for about 500 more steps of SD at 0.96x."""
+    ngram = Arm("ngram6", "ngram", 6, 1, 6)
+
+    def run():
+        bandit = _one_bucket([OFF, ngram], epsilon=0.0, probe=0.0)
+        for i in range(400):  # slow machine, repetitive text
+            arm = bandit.select(1)
+            bandit.update(1, arm, 1 if arm is OFF else 1.3, 0.020 if arm is OFF else 0.022, critical=None)
+        assert bandit.best(1) is ngram
+        chosen = []
+        for i in range(600):  # faster machine, the text stops repeating
+            arm = bandit.select(1)
+            chosen.append(arm.name)
+            bandit.update(1, arm, 1 if arm is OFF else 1.06, 0.016 if arm is OFF else 0.0176, critical=None)
+        return bandit, chosen
+
+    bandit, chosen = run()
+    assert chosen[:150].count("ngram6") <= 4 * 32 and chosen[150:].count("ngram6") == 0
+    assert bandit.plain_seconds(1, 1) == pytest.approx(0.016) and bandit.best(1) is OFF
+    old_rule = lambda self, b, refreshing: (self._off_since_reprice[b] >= self.reprice_every  # noqa: E731
+                                            or len(self.steps[b][self.off[b].name]) <= self.reprice_every)
+    monkeypatch.setattr(StrategyBandit, "_reprice_due", old_rule)
+    bandit, chosen = run()  # control
+    assert chosen.count("ngram6") > 400
+
+
 def test_a_young_bs1_reprice_carries_the_fixed_part_into_every_bucket():
     """The fixed part of a plain step, min(t_off(1), t_off(bs)), prices the critical row's tokens in every bucket, so
     each of the bs-1 bucket's first "off" steps reprices them all: after a cold 12.9 ms step and a 9.9 ms one, a bs-3

@@ -18,13 +18,17 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   either end, so whichever arm happened to run at bs 4 looked twice as fast as one that ran at bs 2.
 - Every arm is priced at the same, recent plain step time: a bucket's windows are priced again at "off"'s current step
   times at each of its first `reprice_every` (16) "off" steps and every 16th after (every bucket's, for an "off" step
-  at bs 1, the fixed part below), not frozen at the time known when each step was recorded. Each of the first 16
+  at bs 1, the fixed part below), and at each "off" step run to refresh the price where an SD arm is the greedy
+  choice (`refresh`, below), not frozen at the time known when each step was recorded. Each of the first 16
   counts because a bucket where SD pays sees few "off" steps: priced at its first alone, a cold first step set the
   price for a whole run (docs/design.md §6). Frozen, an SD step kept the t_off of its moment for its whole window: at
   bs 2 on a 2-core CPU the first plain steps of a process ran 13-16 ms and the later ones 10-11 ms, so a chain at
   0.87x of plain decoding was recorded at 1.01x against "off"'s 0.94x and held 65% of the steps for hundreds of
   steps. Repricing at every "off" step instead cost O(batch sizes in the window) a step: about 250 us a step at bs
-  21-200 with the GPU table, against 30 us now.
+  21-200 with the GPU table, against 30 us now. Where SD is chosen "off" runs only every 32nd choice, so at every
+  16th of those the SD steps of ~500 choices were valued at the plain step of long ago: at bs 1 a 2-core VM's plain
+  step drifted by a fifth between rounds of `tlt bench spec`, and an n-gram arm at accept length 1.06 ran 93% of a
+  round's steps on a stale price. Each refresh reprices at once (one every 32 choices).
 - The price must not rest on one step, nor on old ones. A mean let one cold step set it: in a default run the first
   plain step at bs 22 took 3.1 s (the next ones 30-60 ms), the n-gram arm at bs 21-32 then looked 40x faster, ran on
   every step there, "off" never ran there again, and the ledger claimed more seconds saved than the rollouts took
@@ -295,6 +299,7 @@ class StrategyBandit:
         self._costs: list[dict[int, tuple[float, float, float]]] = [{} for _ in self.arms]
         self._off_since_reprice = [0 for _ in self.arms]
         self._off_prices: list[float | None] = [None for _ in self.arms]  # per bucket: _off_price_sum, cached
+        self._refreshing = [False for _ in self.arms]  # per bucket: its latest choice was "off" to refresh the price
         self._prices = [self._price_in(b) for b in range(len(self.arms))]
         self.counts = [Counter() for _ in self.arms]   # choices per bucket and arm
         self.since_forget = [0 for _ in self.arms]     # choices per bucket since the last forget (decays epsilon)
@@ -362,6 +367,7 @@ class StrategyBandit:
             # would go stale (_price_stale), and that step's guesses keep the loop going
             if self._price_stale(b, batch_size):
                 arm = self.off[b]
+                self._refreshing[b] = True
             else:
                 arm = self._ngram_arm[b]
                 self.loop_steps += 1
@@ -374,6 +380,7 @@ class StrategyBandit:
             arm = self._best(b)
             if arm is not self.off[b] and self._price_stale(b, batch_size):
                 arm = self.off[b]  # SD chosen for its speed against a plain step's price: keep that price current
+                self._refreshing[b] = True
         self.since_off[b] = 0 if arm is self.off[b] else self.since_off[b] + 1
         self.counts[b][arm.name] += 1
         self.since_forget[b] += 1
@@ -437,9 +444,9 @@ class StrategyBandit:
             self.ledger[b].add(key, 0.0, 0.0, 0.0, price)
             self._off_since_reprice[b] += 1
             self._off_prices[b] = None
-            if (self._off_since_reprice[b] >= self.reprice_every
-                    or len(self.steps[b][arm.name]) <= self.reprice_every):  # a young window: each step counts
+            if self._reprice_due(b, self._refreshing[b]):
                 self._reprice(b)
+            self._refreshing[b] = False
             if self.closed[b]:
                 self.closed_steps[b] += 1
                 self.closed_plain_s[b] += float(seconds)
@@ -472,6 +479,14 @@ class StrategyBandit:
         """Bucket b's ledger over its last `window` steps: the seconds its SD steps saved against plain decoding
         (priced as the estimates are), less their own and the seconds charged."""
         return self.ledger[b].plain - self.ledger[b].seconds
+
+    def _reprice_due(self, b: int, refreshing: bool) -> bool:
+        """Whether an "off" step just recorded in bucket b reprices it: each of its window's first `reprice_every`
+        "off" steps (a young window: each counts), every `reprice_every`-th after, and every one that `select` ran to
+        refresh the price where an SD arm is the greedy choice (module doc): those come every `refresh` choices, and
+        the SD steps between are worth what a plain step costs now, not 16 of them ago."""
+        return (refreshing or self._off_since_reprice[b] >= self.reprice_every
+                or len(self.steps[b][self.off[b].name]) <= self.reprice_every)
 
     def _reprice(self, b: int) -> None:
         """Price bucket b's windows at "off"'s current step times (every bucket's after an "off" step at the batch
