@@ -404,12 +404,12 @@ def test_a_refresh_reprices_at_once_so_sd_is_not_priced_at_a_slower_machine(monk
 
     def run():
         bandit = _one_bucket([OFF, ngram], epsilon=0.0, probe=0.0)
-        for i in range(400):  # slow machine, repetitive text
+        for _ in range(400):  # slow machine, repetitive text
             arm = bandit.select(1)
             bandit.update(1, arm, 1 if arm is OFF else 1.3, 0.020 if arm is OFF else 0.022, critical=None)
         assert bandit.best(1) is ngram
         chosen = []
-        for i in range(600):  # faster machine, the text stops repeating
+        for _ in range(600):  # faster machine, the text stops repeating
             arm = bandit.select(1)
             chosen.append(arm.name)
             bandit.update(1, arm, 1 if arm is OFF else 1.06, 0.016 if arm is OFF else 0.0176, critical=None)
