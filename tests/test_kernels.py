@@ -528,32 +528,29 @@ def test_prefetching_the_next_panel_changes_no_bit():
     """The small-row kernels prefetch the weight's next panel from a threshold of rows on that depends on the CPU's
     vendor (kernels.prefetch_min_rows: from one row on Intel); a pass that prefetches is the same pass with a
     pointer to read ahead, so every row count gives the same bits with prefetching everywhere and nowhere: fp32 in
-    each layout this CPU has, bf16 where it has AVX512-BF16. The setting is restored after."""
+    each layout this CPU has, bf16 where it has AVX512-BF16."""
     from tlt.device import cpu_has_avx512_bf16
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(20, 200, generator=g), torch.randn(300, 200, generator=g)  # 5 panels of 64: 3 prefetch
     layouts = (False, True) if kernels.cpu_capability() == "AVX512" else (False,)
-    try:
-        for wide in layouts:
-            with kernels.fp32_layout(wide), torch.inference_mode():
-                packed = kernels._pack(w, "small_gemm")
-                out = {}
-                for rows in (0, 99):
-                    kernels.set_prefetch(rows, rows, rows)
+    for wide in layouts:
+        with kernels.fp32_layout(wide), torch.inference_mode():
+            packed = kernels._pack(w, "small_gemm")
+            out = {}
+            for rows in (0, 99):
+                with kernels.prefetch_rows(rows, rows, rows):
                     out[rows] = [kernels._small_gemm(x[:m], packed, 300, None) for m in (1, 2, 3, 4, 7, 20)]
-                assert all(torch.equal(a, b) for a, b in zip(out[0], out[99]))
-        if cpu_has_avx512_bf16():
-            xb, wb = x.bfloat16(), w.bfloat16()
-            with torch.inference_mode():
-                packed = kernels._pack(wb, "small_gemm_bf16")
-                out = {}
-                for rows in (0, 99):
-                    kernels.set_prefetch(rows, rows, rows)
+            assert all(torch.equal(a, b) for a, b in zip(out[0], out[99]))
+    if cpu_has_avx512_bf16():
+        xb, wb = x.bfloat16(), w.bfloat16()
+        with torch.inference_mode():
+            packed = kernels._pack(wb, "small_gemm_bf16")
+            out = {}
+            for rows in (0, 99):
+                with kernels.prefetch_rows(rows, rows, rows):
                     out[rows] = [kernels._small_gemm_bf16(xb[:m], packed, 300, None, f32) for m in (1, 2, 3, 4, 7, 20)
                                  for f32 in (False, True)]
-                assert all(torch.equal(a, b) for a, b in zip(out[0], out[99]))
-    finally:
-        kernels.set_prefetch(*kernels.prefetch_min_rows())
+            assert all(torch.equal(a, b) for a, b in zip(out[0], out[99]))
     assert kernels.prefetch_min_rows("GenuineIntel") == (0, 2, 0)
     assert kernels.prefetch_min_rows("AuthenticAMD") == kernels.prefetch_min_rows("") == (3, 3, 3)
 

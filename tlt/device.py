@@ -13,24 +13,25 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
+def _cpuinfo(field: str) -> str:
+    """The value of /proc/cpuinfo's first `field` line; "" where there is none or the file cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
+            line = next((line for line in f if line.startswith(field)), "")
     except OSError:
-        return frozenset()
+        return ""
+    return line.split(":", 1)[1].strip() if ":" in line else ""
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo("flags").split())
 
 
 @functools.cache
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD", ...); "" where it cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-    return line.split(":", 1)[1].strip() if ":" in line else ""
+    return _cpuinfo("vendor_id")
 
 
 @functools.cache  # asked on every inference matmul: the answer never changes in a process

@@ -154,12 +154,21 @@ def prefetch_min_rows(vendor: str | None = None) -> tuple[int, int, int]:
     return (0, 2, 0) if (cpu_vendor() if vendor is None else vendor) == "GenuineIntel" else (3, 3, 3)
 
 
-def set_prefetch(narrow: int, wide: int, bf16: int) -> None:
-    """Set the kernels' prefetch thresholds (`prefetch_min_rows`); no bit of any output depends on them."""
+def _set_prefetch(lib, narrow: int, wide: int, bf16: int) -> None:
+    lib.tlt_fp32_set_prefetch(narrow, wide)
+    lib.tlt_bf16_set_prefetch(bf16)
+
+
+@contextlib.contextmanager
+def prefetch_rows(narrow: int, wide: int, bf16: int):
+    """Tests: run the kernels with these prefetch thresholds inside a block (`prefetch_min_rows`; no bit of any
+    output depends on them), the CPU's own after it."""
     lib = small_gemm_lib()
-    if lib:
-        lib.tlt_fp32_set_prefetch(narrow, wide)
-        lib.tlt_bf16_set_prefetch(bf16)
+    _set_prefetch(lib, narrow, wide, bf16)
+    try:
+        yield
+    finally:
+        _set_prefetch(lib, *prefetch_min_rows())
 
 
 def small_gemm_lib():
@@ -200,9 +209,7 @@ def small_gemm_lib():
             lib.tlt_fp32_set_prefetch.argtypes = [i32, i32]
             lib.tlt_bf16_set_prefetch.argtypes = [i32]
             lib.tlt_fp32_set_layout(_isa_layout())
-            narrow, wide, bf16 = prefetch_min_rows()
-            lib.tlt_fp32_set_prefetch(narrow, wide)
-            lib.tlt_bf16_set_prefetch(bf16)
+            _set_prefetch(lib, *prefetch_min_rows())
             _state["amx"] = bool(lib.tlt_bf16_amx(int(amx_requested())))
             _state["lib"] = lib
         except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
