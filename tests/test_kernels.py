@@ -267,6 +267,34 @@ def test_cached_attention_is_bitwise_invariant_to_masked_keys(n, D):
     assert not torch.equal(permuted, ref)
 
 
+@needs_small_gemm
+@pytest.mark.parametrize("T,D", [(1, 64), (5, 64), (3, 128), (6, 40)])
+def test_cached_attention_query_rows_are_computed_alone(T, D):
+    """The kernel runs a (row, KV head) pair's query rows through its keys a few at a time (csrc/
+    cached_attention_impl.h, ATTN_GROUP): each query's output must be bit for bit what it gets alone (T = 1, its own
+    mask row), whichever rows share its group, so a verify step's token gets plain decoding's attention. Control: a
+    changed query changes its own output only."""
+    g = torch.Generator().manual_seed(T * 1000 + D)
+    B, nh, nkv, C = 3, 9, 3, 70
+    q = torch.randn(B, T, nh, D, generator=g)
+    k, v = torch.randn(B, nkv, C, D, generator=g), torch.randn(B, nkv, C, D, generator=g)
+    n_keys = torch.tensor([T + 1, 33, C])
+    mask = torch.rand(B, 1, T, C, generator=g) < 0.7
+    mask[:, :, :, 0] = True  # every query sees a key
+    bias = attention_bias(mask, C, q.dtype)
+    with torch.inference_mode():
+        out = small_query_attention(q, k, v, bias, n_keys)
+        for t in range(T):
+            alone = small_query_attention(q[:, t:t + 1].contiguous(), k, v, attention_bias(mask[:, :, t:t + 1], C,
+                                                                                          q.dtype), n_keys)
+            assert torch.equal(out[:, t:t + 1], alone)
+        q2 = q.clone()
+        q2[1, T - 1, 4] += 1.0
+        changed = small_query_attention(q2, k, v, bias, n_keys)
+    differs = (changed != out).flatten(3).any(-1)  # [B, T, nh]
+    assert differs[1, T - 1, 4] and differs.sum() == 1
+
+
 def _greedy(llm, prompts, n=12):
     p = tlt.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompt_token_ids=prompts,
