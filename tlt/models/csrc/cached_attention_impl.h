@@ -1,20 +1,23 @@
 // The body of tlt/models/csrc/cached_attention.c, included once per KV-cache element type: KV_T (float or
 // uint16_t bf16 bits), LOAD8 (8 keys or values -> __m256), ONE_HEAD and CACHED_ATTENTION (the names).
-#ifndef ATTN_GROUP
 // A (row, KV head) pair's query rows (its g query heads times T tokens) go through its keys ATTN_GROUP at a time:
 // each block of 4 keys and each value row is read (and widened from bf16) once for the group's rows, which also
-// gives the out-of-order core their independent FMA chains. Keys and values are prefetched ATTN_AHEAD rows ahead on
-// their first reading: a forward reads each layer's cache once, from memory. On a 2-core Xeon (Emerald Rapids; a
-// SmolLM2-135M layer's shapes, a cache per layer, 200 keys) this ran 1.45 / 1.6 / 1.55x faster than one query row
-// at a time at 1 / 16 rows of one token and 4 rows of 4 (docs/design.md §9). Every output is the same chain of
-// operations as before, in the same order, so not a bit changes: a row's attention is the same in plain decoding
-// and in verification, with masked speculative keys between.
+// gives the out-of-order core independent FMA chains. Keys and values are prefetched ATTN_AHEAD rows ahead on their
+// first reading: a forward reads each layer's cache once, from memory. On a 2-core Xeon (Emerald Rapids; a
+// SmolLM2-135M layer's shapes, a cache per layer, 200 keys) this ran 1.38 / 1.60 / 1.54x faster than one query row
+// at a time at 1 / 16 rows of one token and 4 rows of 4 (docs/design.md §9). Each output is the chain of operations
+// its query gets alone, in the same order, whichever rows share its group: a row's attention is the same in plain
+// decoding and in verification, with masked speculative keys between.
+#ifndef ATTN_GROUP
 #define ATTN_GROUP 4
+#endif
+#ifndef ATTN_AHEAD
 #define ATTN_AHEAD 16
 #endif
 
 // One (row b, KV head) pair: its g * T query rows (r = t * g + head), ATTN_GROUP at a time; s: ATTN_GROUP * cap
-// floats of scratch. nv = D / 8, a constant where the caller inlines it (D = 64: the vectors stay in registers).
+// floats of scratch. nv = D / 8, a constant where the caller inlines it (D = 64 and 128: no vector array indexed
+// at run time).
 static inline __attribute__((always_inline)) void ONE_HEAD(const float* q, int64_t q_st, int64_t q_sh,
         const KV_T* k, const KV_T* v, int n, const float* bias, int64_t bias_st, float* out, int64_t out_st, int T,
         int g, int h0, int D, float scale, float* s, int cap, const int nv) {
@@ -58,10 +61,10 @@ static inline __attribute__((always_inline)) void ONE_HEAD(const float* q, int64
                 __m128 dots = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
                 __m128 x = _mm_add_ps(_mm_mul_ps(dots, _mm_set1_ps(scale)), _mm_loadu_ps(b + j));
                 _mm_storeu_ps(si + j, x);
-                m4[i] = _mm_max_ps(m4[i], x);
+                m4[i] = _mm_max_ps(x, m4[i]);  // x > m ? x : m lane by lane: a NaN score is skipped
             }
         }
-        for (int i = 0; i < R; i++) {  // max is exact: any order gives the same value
+        for (int i = 0; i < R; i++) {  // the lanes hold no NaN, and their max is the same in any order
             __m128 a = _mm_max_ps(m4[i], _mm_movehl_ps(m4[i], m4[i]));
             a = _mm_max_ss(a, _mm_movehdup_ps(a));
             m[i] = _mm_cvtss_f32(a);
