@@ -32,11 +32,10 @@ static inline __attribute__((always_inline)) void ONE_HEAD(const float* q, int64
             int r = r0 + i, t = r / g, hi = r % g;
             qr[i] = q + t * q_st + (int64_t)(h0 + hi) * q_sh;
             bt[i] = bias + t * bias_st;
-            m[i] = -INFINITY;
             m4[i] = _mm_set1_ps(-INFINITY);
         }
         int j = 0;
-        for (; j + 4 <= n; j += 4) {
+        for (; j + 4 <= n; j += 4) {  // four keys at once: independent FMA chains, one joint reduction
             const KV_T* kj = k + (int64_t)j * D;
             if (r0 == 0)  // the keys' first reading
                 for (int u = 0; u < 4 * D * (int)sizeof(KV_T); u += 64)
@@ -45,8 +44,8 @@ static inline __attribute__((always_inline)) void ONE_HEAD(const float* q, int64
                 const float* b = bt[i];
                 float* si = s + (size_t)i * cap;
                 if (b[j] == -INFINITY && b[j + 1] == -INFINITY && b[j + 2] == -INFINITY && b[j + 3] == -INFINITY) {
-                    for (int u = 0; u < 4; u++) si[j + u] = -INFINITY;
-                    continue;
+                    for (int u = 0; u < 4; u++) si[j + u] = -INFINITY;  // masked (a causal prompt's later keys):
+                    continue;                                                // the score they would get anyway
                 }
                 const float* qq = qr[i];
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -78,12 +77,15 @@ static inline __attribute__((always_inline)) void ONE_HEAD(const float* q, int64
                     continue;
                 }
                 __m256 a = _mm256_setzero_ps();
-                for (int c = 0; c < nv; c++) a = _mm256_fmadd_ps(_mm256_loadu_ps(qr[i] + 8 * c), LOAD8(kj + 8 * c), a);
-                float x = hsum_pairwise(a) * scale + bt[i][j];
+                for (int c = 0; c < nv; c++)
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qr[i] + 8 * c), LOAD8(kj + 8 * c), a);
+                float x = hsum_pairwise(a) * scale + bt[i][j];  // the four-key block's reduction order
                 si[j] = x;
                 m[i] = x > m[i] ? x : m[i];
             }
         }
+        // Each row's sum of exps in 8 lanes, the key of visible rank r in lane r % 8 (masked keys skipped): the same
+        // sum, bit for bit, whether masked speculative keys lie between (verification) or not (plain decoding).
         for (int i = 0; i < R; i++) {
             float* si = s + (size_t)i * cap;
             const float* b = bt[i];
@@ -98,7 +100,7 @@ static inline __attribute__((always_inline)) void ONE_HEAD(const float* q, int64
             }
             float lanes[8];
             _mm256_storeu_ps(lanes, sum8);
-            for (int r = jj; jj < n; jj += 8) {
+            for (int r = jj; jj < n; jj += 8) {  // the rest through padded vectors: masked keys and the tail
                 float tmp[8];
                 int w = n - jj < 8 ? n - jj : 8;
                 for (int u = 0; u < 8; u++) tmp[u] = u < w ? si[jj + u] - m[i] : -INFINITY;
