@@ -141,3 +141,47 @@ def test_bench_spec_rows_say_where_the_time_went(tiny_llama_dir):
     assert all(by[k]["sd_s"] is None and by[k]["sd_saved_s"] is None for k in ("plain", "ngram"))
     assert by["ngram_adaptive"]["sd_on"] > 0 and by["ngram_adaptive"]["sd_s"] > 0
     assert math.isfinite(by["ngram_adaptive"]["sd_saved_s"])
+    assert by["ngram"]["ci_low"] <= by["ngram"]["speedup"] <= by["ngram"]["ci_high"]
+
+
+def test_interleaved_times_rotates_the_order():
+    """Every configuration runs in every slot of a round equally often (a fixed order would always time the first
+    one right after the previous round's last), and each gets one untimed warm-up call."""
+    from tlt.bench.common import interleaved_times
+    log: list[str] = []
+    timed = interleaved_times({k: (lambda k=k: log.append(k) or k) for k in "ABC"}, 6)
+    assert log[:3] == list("ABC")  # warm-up
+    rounds = [log[3 + 3 * r: 6 + 3 * r] for r in range(6)]
+    assert all(sorted(r) == list("ABC") for r in rounds)
+    assert {k: [r[0] for r in rounds].count(k) for k in "ABC"} == {"A": 2, "B": 2, "C": 2}
+    assert all(len(t["times"]) == 6 and t["result"] == k for k, t in timed.items())
+
+
+def test_median_ci_is_the_sign_test_interval():
+    """The interval's ends are order statistics whose binomial coverage is the smallest >= 95%: 9 values give the
+    2nd and 8th (96%), 5 values only their range (94%); shuffling the values does not change it."""
+    import random
+
+    from tlt.bench.common import median_ci
+    vals = [1.0 + 0.01 * i for i in range(9)]
+    random.Random(0).shuffle(vals)
+    lo, hi, cover = median_ci(vals)
+    assert (lo, hi) == (1.01, 1.07) and cover == pytest.approx(1 - 2 * 10 / 512)
+    assert median_ci([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0, pytest.approx(1 - 2 / 32))
+    with pytest.raises(ValueError):
+        median_ci([])
+
+
+def test_adaptive_verdict_names_the_batch_sizes_that_miss():
+    """The verdict judges the adaptive rows' medians against 0.98 and says where the interval lies wholly below it
+    (slower beyond the noise) apart from where only the median does; no adaptive row, no verdict."""
+    from tlt.bench.spec import adaptive_verdict
+    from tlt.bench.spec import _ci
+    rows = [{"strategy": s, "bs": bs, "speedup": x, **_ci([lo, x, hi])}
+            for s, bs, lo, x, hi in (("adaptive", 1, 0.90, 0.95, 1.02), ("adaptive", 2, 1.05, 1.10, 1.15),
+                                     ("adaptive", 8, 0.91, 0.93, 0.96), ("plain", 8, 0.5, 0.5, 0.5))]
+    v = adaptive_verdict(rows)
+    assert "not met at bs 1, 8" in v and "lowest 0.93x at bs 8" in v and "wholly below 0.98 at bs 8" in v
+    ok = adaptive_verdict(rows[1:2])
+    assert ok.startswith("goal: adaptive >= 0.98x plain at every batch size; met") and "no interval" in ok
+    assert adaptive_verdict(rows[3:]) is None

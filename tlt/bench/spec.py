@@ -8,17 +8,22 @@ Strategies: each fixed arm (EAGLE chain, EAGLE tree, n-gram) and the adaptive po
 SD gated by batch size). Prompts are the default task's chat prompts; every configuration samples with the same
 seeds. Also, at batch size 1, transformers' assisted generation (a 4-layer truncation of the target as the
 assistant: SmolLM2-135M is the smallest of its family) and prompt-lookup decoding, against transformers' plain
-`generate`. Prints a table and a final JSON line.
+`generate`. Configurations run round-robin, the order rotated every round; each speedup is the median over rounds
+of plain's time over the strategy's, with a distribution-free ~95% interval for that median (`ci`: where it
+excludes 1.00 the difference is more than the machine's noise; `plain_control`, a second plain engine, shows that
+noise directly). Prints a table, a verdict on the adaptive policy's goal (never below 0.98x plain) and a final
+JSON line.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 import torch
 
 import tlt
-from tlt.bench.common import (TASKS, default_task_prompt_ids, interleaved_times, median_time, paired_speedup,
+from tlt.bench.common import (TASKS, default_task_prompt_ids, interleaved_times, median_ci, median_time, paired_ratios,
                               print_json_line, print_table)
 from tlt.device import resolve_device, resolve_dtype
 
@@ -32,6 +37,9 @@ def strategies(drafter: str | None, depth: int, sd_eager: bool = False,
     if sd_eager:
         s.update({f"{name}/sd_eager": spec for name, spec in list(s.items()) if spec is not None})
     return s
+
+
+ADAPTIVE_GOAL = 0.98  # adaptive SD promises never to be slower than plain decoding, within this much noise
 
 
 def _strategies(drafter: str | None, depth: int) -> dict[str, dict | None]:
@@ -77,6 +85,7 @@ def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens,
             return out
         return go
     timed = interleaved_times({name: runner(name, llm) for name, llm in llms.items()}, repeats)
+    ratios = {name: paired_ratios(timed["plain"]["times"], t["times"]) for name, t in timed.items()}
     rows = []
     for name, t in timed.items():
         tokens = sum(len(o.outputs[0].token_ids) for o in t["result"])
@@ -84,7 +93,7 @@ def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens,
         # SD steps are timed against plain decoding only where the bandit also decodes plainly (adaptive)
         priced = specs[name] is not None and specs[name].get("adaptive", True)
         rows.append({"strategy": name, "bs": bs, "tok_s": tokens / t["median"], "time_s": t["median"],
-                     "speedup": paired_speedup(timed["plain"]["times"], t["times"]),
+                     "speedup": statistics.median(ratios[name]), **_ci(ratios[name]),
                      "spread": f"{t['min']:.2f}-{t['max']:.2f}", "accept_len": stats.get("spec_accept_length"),
                      "sd_on": stats.get("spec_on_fraction"), "captures": sum(captures[name][1:]),
                      "capture_s": sum(capture_s[name][1:]),
@@ -93,6 +102,11 @@ def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens,
                      "sd_s": stats.get("spec_step_time_s") if priced else None,
                      "sd_saved_s": stats.get("spec_net_saved_s") if priced else None})
     return rows, [(p, o.outputs[0].token_ids) for p, o in zip(batch, timed["plain"]["result"])]
+
+
+def _ci(ratios: list[float]) -> dict:
+    lo, hi, _ = median_ci(ratios)
+    return {"ci_low": lo, "ci_high": hi, "ci": f"{lo:.2f}-{hi:.2f}"}
 
 
 def run_hf_assisted(model_dir, prompt, max_tokens, repeats, dtype, device, temperature=1.0):
@@ -171,18 +185,21 @@ def main(argv: list[str] | None = None) -> int:
         for r in bs_rows:
             print(f"  bs {bs} {r['strategy']}: {r['tok_s']:.1f} tok/s ({r['speedup']:.2f}x)", file=sys.stderr, flush=True)
             rows.append(r)
-            results[f"bs{bs}/{r['strategy']}"] = {k: r[k] for k in ("tok_s", "speedup", "accept_len", "sd_on",
-                                                                    "captures", "capture_s", "sd_s",
-                                                                    "sd_saved_s")}
+            results[f"bs{bs}/{r['strategy']}"] = {k: r[k] for k in ("tok_s", "speedup", "ci_low", "ci_high",
+                                                                    "accept_len", "sd_on", "captures", "capture_s",
+                                                                    "sd_s", "sd_saved_s")}
     print(f"model={model_dir} dtype={dtype} max_tokens={a.max_tokens} temperature={a.temperature} "
           f"repeats={a.repeats} interleaved (median; speedup = median over rounds of plain/strategy time) "
           f"threads={torch.get_num_threads()}")
-    print_table(rows, ["bs", "strategy", "tok_s", "speedup", "accept_len", "sd_on", "spread", "captures",
+    print_table(rows, ["bs", "strategy", "tok_s", "speedup", "ci", "accept_len", "sd_on", "spread", "captures",
                        "capture_s", "sd_s", "sd_saved_s"])
-    print("captures / capture_s: CUDA graphs captured in the timed rounds and their seconds (each costs many steps, "
-          "once); sd_s / sd_saved_s "
-          "(adaptive): the last round's seconds in SD steps, and plain decoding's estimated seconds for their tokens "
-          "less those")
+    print(f"ci: {median_ci([0.0] * a.repeats)[2]:.0%} interval of the median speedup over {a.repeats} rounds; "
+          "spread: the strategy's fastest-slowest round in seconds; captures / capture_s: CUDA graphs captured in the "
+          "timed rounds and their seconds (each costs many steps, once); sd_s / sd_saved_s (adaptive): the last "
+          "round's seconds in SD steps, and plain decoding's estimated seconds for their tokens less those")
+    verdict = adaptive_verdict(rows)
+    if verdict:
+        print(verdict)
     bound = {d: oracle_accept_bound(model, pairs, d, temperature=a.temperature)
              for d in sorted({a.depth, 2 * a.depth})}
     print(f"\naccept length an oracle drafter could reach on plain decoding's {len(pairs)} responses (estimate; the "
@@ -198,6 +215,22 @@ def main(argv: list[str] | None = None) -> int:
     print_json_line("spec", {"model": model_dir, "dtype": str(dtype), "max_tokens": a.max_tokens,
                               "temperature": a.temperature, "results": results})
     return 0
+
+
+def adaptive_verdict(rows: list[dict], goal: float = ADAPTIVE_GOAL) -> str | None:
+    """The adaptive policy's goal (never slower than plain decoding, within `goal`) judged on the median speedups,
+    naming the batch sizes where the interval lies wholly below it (slower beyond the noise)."""
+    adaptive = [r for r in rows if r["strategy"] == "adaptive"]
+    if not adaptive:
+        return None
+    below = [r["bs"] for r in adaptive if r["speedup"] < goal]
+    sure = [r["bs"] for r in adaptive if r["ci_high"] < goal]
+    worst = min(adaptive, key=lambda r: r["speedup"])
+    return (f"goal: adaptive >= {goal:.2f}x plain at every batch size; "
+            + ("met" if not below else f"not met at bs {', '.join(map(str, below))}")
+            + f" (lowest {worst['speedup']:.2f}x at bs {worst['bs']}, interval {worst['ci']}); "
+            + (f"interval wholly below {goal:.2f} at bs {', '.join(map(str, sure))}" if sure
+               else f"no interval lies wholly below {goal:.2f}"))
 
 
 @torch.inference_mode()
