@@ -179,9 +179,32 @@ def test_adaptive_verdict_names_the_batch_sizes_that_miss():
     from tlt.bench.spec import _ci
     rows = [{"strategy": s, "bs": bs, "speedup": x, **_ci([lo, x, hi])}
             for s, bs, lo, x, hi in (("adaptive", 1, 0.90, 0.95, 1.02), ("adaptive", 2, 1.05, 1.10, 1.15),
-                                     ("adaptive", 8, 0.91, 0.93, 0.96), ("plain", 8, 0.5, 0.5, 0.5))]
+                                     ("adaptive", 8, 0.91, 0.93, 0.96), ("adaptive", 16, 0.95, 0.9751, 1.0),
+                                     ("plain", 8, 0.5, 0.5, 0.5))]
     v = adaptive_verdict(rows)
     assert "not met at bs 1, 8" in v and "lowest 0.93x at bs 8" in v and "wholly below 0.98 at bs 8" in v
-    ok = adaptive_verdict(rows[1:2])
+    ok = adaptive_verdict(rows[1:2] + rows[3:4])  # 0.9751 prints as 0.98: met
     assert ok.startswith("goal: adaptive >= 0.98x plain at every batch size; met") and "no interval" in ok
-    assert adaptive_verdict(rows[3:]) is None
+    assert adaptive_verdict(rows[4:]) is None
+
+
+def test_bench_spec_decodes_past_eos_unless_asked_to_stop(tmp_path, tiny_llama_dir):
+    """By default every row decodes max_tokens, past its EOS (a batch size's cost holds through a round); with
+    stop_at_eos a row ends at its EOS, as in a rollout, with the tokens it had up to there."""
+    import json
+    import shutil
+
+    from tlt.bench.spec import run_ours, strategies
+    specs = strategies(None, 3, wanted=["ngram"])
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    _, free = run_ours(str(tiny_llama_dir), None, prompts, 2, specs, 40, 1, 0)
+    eos = free[0][1][5]  # the tiny model has no EOS: make row 0's sixth token one
+    model = tmp_path / "with_eos"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    _, past = run_ours(str(model), None, prompts, 2, specs, 40, 1, 0)
+    assert [r for _, r in past] == [r for _, r in free] and all(len(r) == 40 for _, r in past)
+    rows, stopped = run_ours(str(model), None, prompts, 2, specs, 40, 1, 0, stop_at_eos=True)
+    end = free[0][1].index(eos) + 1
+    assert stopped[0][1] == free[0][1][:end] and end <= 6
+    assert {r["strategy"] for r in rows} == {"plain", "ngram"}
