@@ -175,8 +175,7 @@ def test_median_ci_is_the_sign_test_interval():
 def test_adaptive_verdict_names_the_batch_sizes_that_miss():
     """The verdict judges the adaptive rows' medians against 0.98 and says where the interval lies wholly below it
     (slower beyond the noise) apart from where only the median does; no adaptive row, no verdict."""
-    from tlt.bench.spec import adaptive_verdict
-    from tlt.bench.spec import _ci
+    from tlt.bench.spec import _ci, adaptive_verdict
     rows = [{"strategy": s, "bs": bs, "speedup": x, **_ci([lo, x, hi])}
             for s, bs, lo, x, hi in (("adaptive", 1, 0.90, 0.95, 1.02), ("adaptive", 2, 1.05, 1.10, 1.15),
                                      ("adaptive", 8, 0.91, 0.93, 0.96), ("adaptive", 16, 0.95, 0.9751, 1.0),

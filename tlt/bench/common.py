@@ -61,18 +61,23 @@ def paired_ratios(base: list[float], other: list[float]) -> list[float]:
 
 def median_ci(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
     """(low, high, coverage): a distribution-free confidence interval for the median of `values` from their order
-    statistics (the sign test's interval): the narrowest [x_(k), x_(n+1-k)] whose coverage, from the binomial law of
-    how many values fall below the median, is at least `level`; with too few values for that, the full range and
-    its smaller coverage (5 values: 0.94; 9 values give [x_(2), x_(8)] at 0.96)."""
-    from scipy.stats import binom
+    statistics (the sign test's interval, `sign_test_rank`)."""
     xs = sorted(values)
-    n = len(xs)
-    if n == 0:
+    if not xs:
         raise ValueError("median_ci needs at least one value")
-    k = 1  # 1-based rank of the lower end: move it inwards while the coverage stays >= level
-    while k + 1 <= n + 1 - (k + 1) and 1 - 2 * binom.cdf(k, n, 0.5) >= level:
+    k, coverage = sign_test_rank(len(xs), level)
+    return xs[k - 1], xs[len(xs) - k], coverage
+
+
+def sign_test_rank(n: int, level: float = 0.95) -> tuple[int, float]:
+    """(k, coverage) of the narrowest interval [x_(k), x_(n+1-k)] of n sorted values whose coverage of their median,
+    from the binomial law of how many fall below it, is at least `level`; with too few values for that, the full
+    range (k = 1) and its smaller coverage (5 values: 0.94; 9 values give k = 2 at 0.96)."""
+    from scipy.stats import binom
+    k = 1  # move the lower end inwards while the coverage stays >= level
+    while k + 1 <= n - k and 1 - 2 * binom.cdf(k, n, 0.5) >= level:
         k += 1
-    return xs[k - 1], xs[n - k], float(1 - 2 * binom.cdf(k - 1, n, 0.5))
+    return k, float(1 - 2 * binom.cdf(k - 1, n, 0.5))
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
