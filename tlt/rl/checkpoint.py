@@ -34,6 +34,7 @@ import torch
 
 from tlt.config import Config, ConfigError, save_config
 from tlt.faults import fault_point
+from tlt.schema import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,41 @@ class TrainerState:
     data: dict[str, int]  # PromptDataset.state_dict()
     drafter_hook: dict[str, Any] = field(default_factory=dict)
     rollout_seed: int = 0  # trainer.seed: rollout sampling seeds are rollout_seed(seed, step, attempt)
+
+
+class CheckpointSpaceError(UserError):
+    """A checkpoint does not fit on its disk; raised before anything of it is written."""
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in nested dicts, lists and tuples, each storage once (what torch.save writes for them;
+    a DTensor counts this rank's shard)."""
+    storages: dict[int, int] = {}
+
+    def walk(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            storage = (o.to_local() if hasattr(o, "to_local") else o).untyped_storage()
+            storages[storage.data_ptr() or id(storage)] = storage.nbytes()
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+    walk(obj)
+    return sum(storages.values())
+
+
+SPACE_SLACK = 64 * 2**20  # config, tokenizer and pickle overhead beside the tensors
+
+
+def space_shortfall(directory: Path, need_bytes: int) -> str | None:
+    """Why `need_bytes` more do not fit in `directory`'s file system, or None when they do."""
+    free = shutil.disk_usage(directory).free
+    if free >= need_bytes + SPACE_SLACK:
+        return None
+    return (f"it needs about {(need_bytes + SPACE_SLACK) / 2**30:.2f} GiB in {directory}, which has "
+            f"{free / 2**30:.2f} GiB free")
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -159,6 +195,9 @@ class CheckpointManager:
             else:
                 os.rename(tmp, final)
             _fsync_dir(self.run_dir)
+        except Exception as e:  # a full disk, an I/O error: say what survives
+            e.add_note(f"tlt: checkpoint step {step} was not written; {self.survivor()}")
+            raise
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -166,6 +205,24 @@ class CheckpointManager:
         write_text_atomic(self.run_dir / LATEST_FILE, f"{step}\n")
         self.rotate(keep=step)
         return final
+
+    def survivor(self) -> str:
+        """What a run that stops now resumes from."""
+        latest = self.latest_step()
+        return ("no earlier checkpoint exists" if latest is None else
+                f"the newest complete checkpoint, {self.step_dir(latest)}, is intact (trainer.resume=auto resumes "
+                f"from it)")
+
+    def check_space(self, step: int, need_bytes: int, tidy: bool = True) -> None:
+        """CheckpointSpaceError, before anything is written, when global_step_<step>/ (or this rank's `need_bytes`
+        of it) will not fit; tidy: first remove what crashed saves left (the writing rank only)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if tidy:
+            self._remove_leftovers()
+        short = space_shortfall(self.run_dir, need_bytes)
+        if short:
+            raise CheckpointSpaceError(f"checkpoint step {step} does not fit: {short}. Nothing of it was written; "
+                                       f"{self.survivor()}. Free space, or set trainer.max_ckpt_to_keep")
 
     def _point_away_from(self, step: int) -> None:
         """Before global_step_<step> is swapped out: the latest-step file must not name it meanwhile."""

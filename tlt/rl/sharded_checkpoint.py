@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from tlt.models.decoder import Decoder
 from tlt.models.loader import save_model
 from tlt.rl.actor import Actor
+from tlt.rl.checkpoint import tensor_bytes
 
 SHARDS_DIR = "actor_shards"  # in a tlt train checkpoint (global_step_N/) of an actor.strategy=fsdp run
 
@@ -28,6 +29,11 @@ SHARDS_DIR = "actor_shards"  # in a tlt train checkpoint (global_step_N/) of an 
 def _state(actor: Actor) -> dict:
     model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
     return {"model": model_sd, "optimizer": optim_sd, "scheduler": actor.scheduler.state_dict()}
+
+
+def shard_bytes(actor: Actor) -> int:
+    """What save_sharded writes on this rank: its shards of the weights and AdamW state."""
+    return tensor_bytes(_state(actor))
 
 
 def save_sharded(actor: Actor, path: str | os.PathLike) -> None:

@@ -59,15 +59,15 @@ from tlt.preflight import check_run
 from tlt.rl import fsdp
 from tlt.rl.actor import Actor
 from tlt.rl.advantages import compute_advantages, groups_to_keep, keep_mask
-from tlt.rl.checkpoint import (CheckpointManager, TrainerState, capture_rng_state, copy_hf_side_files,
-                               load_trainer_state, restore_rng_state)
+from tlt.rl.checkpoint import (CheckpointManager, CheckpointSpaceError, TrainerState, capture_rng_state,
+                               copy_hf_side_files, load_trainer_state, restore_rng_state, tensor_bytes)
 from tlt.rl.data import PromptDataset, load_examples
 from tlt.rl.launch import (DistInfo, check_launch, check_ranks, config_device, gather, init_distributed,
                            prepare_config, train_on_placement)
 from tlt.rl.logging import MetricsLogger, PhaseTimer, flat_numbers, reduce_metrics, rollout_metrics
 from tlt.rl.rewards import RewardManager
 from tlt.rl.rollout import ActorBatch, RolloutBatch, generate_rollouts, rollout_request
-from tlt.rl.sharded_checkpoint import SHARDS_DIR, consolidated, load_sharded, save_sharded
+from tlt.rl.sharded_checkpoint import SHARDS_DIR, consolidated, load_sharded, save_sharded, shard_bytes
 from tlt.rl.weight_sync import SyncStats, rollout_state_dict, sync_weights
 
 if TYPE_CHECKING:
@@ -392,6 +392,13 @@ class GRPOTrainer:
         """global_step_N/ (tlt.rl.checkpoint). Under actor.strategy=fsdp every rank first writes its shards of the
         weights and AdamW state (DCP) into a staging directory that rank 0 moves into the checkpoint, and the
         consolidated HF weights are gathered for rank 0 (model.safetensors stays the deploy format)."""
+        state = None
+        if self.dist.is_main:
+            actor_state = {"sharded": SHARDS_DIR} if self.actor.sharded else self.actor.state_dict()
+            state = TrainerState(step=step, actor=actor_state, rng=capture_rng_state(),
+                                 data=self.train_data.state_dict(), drafter_hook=self.drafter_hook.state_dict(),
+                                 rollout_seed=self.cfg.trainer.seed)
+        self._check_checkpoint_space(step, state)
         staging, plain = self.run_dir / f".shards_step_{step}", self.model
         if self.actor.sharded:
             if self.dist.is_main:
@@ -409,13 +416,27 @@ class GRPOTrainer:
                 self.tokenizer.save_pretrained(str(path))
                 self.drafter_hook.export(path / "drafter")
 
-            actor_state = {"sharded": SHARDS_DIR} if self.actor.sharded else self.actor.state_dict()
-            state = TrainerState(step=step, actor=actor_state, rng=capture_rng_state(),
-                                 data=self.train_data.state_dict(), drafter_hook=self.drafter_hook.state_dict(),
-                                 rollout_seed=self.cfg.trainer.seed)
             self.ckpt.save(step, write_model, state, self.cfg)
         if self.dist.world_size > 1:
             dist.barrier()
+
+    def _check_checkpoint_space(self, step: int, state: TrainerState | None) -> None:
+        """Every rank's part of checkpoint `step` fits on its disk, or every rank raises CheckpointSpaceError before
+        any writes (a collective when there are several ranks)."""
+        need = shard_bytes(self.actor) if self.actor.sharded else 0
+        if state is not None:  # the writing rank: HF weights (gathered if sharded), trainer state
+            need += sum(v.numel() * v.element_size() for v in self.model.state_dict().values())
+            need += tensor_bytes(state.__dict__)
+        error = None
+        try:
+            self.ckpt.check_space(step, need, tidy=self.dist.is_main)
+        except CheckpointSpaceError as e:
+            error = e
+        if self.dist.world_size > 1 and fsdp.max_over_ranks(error is not None) and error is None:
+            error = CheckpointSpaceError(f"checkpoint step {step}: another rank's part does not fit on its disk (its "
+                                         f"error says where); nothing of it was written")
+        if error is not None:
+            raise error
 
     def _resume(self, path: Path) -> int:
         """Weights were loaded from `path` already; restore the rest. Returns the step to continue after."""
