@@ -1,5 +1,6 @@
 """Model core vs transformers: logits in fp32, cached decode, HF round trip, bad input."""
 import json
+import os
 
 import pytest
 import torch
@@ -81,3 +82,15 @@ def test_bad_model_paths(tmp_path, tiny_llama_dir):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
         load_model(tmp_path)
+
+
+def test_safetensors_files_get_the_umasks_mode(tmp_path):
+    """safetensors writes owner-only files; a checkpoint's weights are as readable as its other files."""
+    from tlt.models.loader import umask, write_safetensors
+    before = os.umask(0o027)
+    try:
+        assert umask() == 0o027
+        write_safetensors({"w": torch.zeros(2)}, tmp_path / "w.safetensors")
+        assert (tmp_path / "w.safetensors").stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(before)

@@ -98,6 +98,9 @@ def test_two_steps_change_params_and_checkpoint_loads_in_transformers(tmp_path, 
     ckpt = trainer.run_dir / "global_step_2"
     assert (trainer.run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert not [p for p in trainer.run_dir.iterdir() if p.name.startswith(".")], "temp dirs left behind"
+    from tlt.models.loader import umask
+    modes = {str(f.relative_to(ckpt)): oct(f.stat().st_mode & 0o777) for f in ckpt.rglob("*") if f.is_file()}
+    assert set(modes.values()) == {oct(0o666 & ~umask())}, modes  # safetensors' files too: shareable as any other
     from transformers import AutoModelForCausalLM, AutoTokenizer
     hf = AutoModelForCausalLM.from_pretrained(str(ckpt)).eval()
     tok = AutoTokenizer.from_pretrained(str(ckpt))

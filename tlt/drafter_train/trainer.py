@@ -32,12 +32,12 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 from tlt.drafter_train.buffer import DrafterBuffer
 from tlt.drafter_train.compare import DEPTH, accept_from_hits
 from tlt.drafter_train.packing import PackedBatch
 from tlt.device import cpu_has_fast_bf16
+from tlt.models.loader import write_safetensors
 from tlt.speculative.drafter import Drafter
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class AsyncCheckpointer:
         def write():
             tmp = path.with_name(path.name + f".tmp{os.getpid()}")
             try:
-                save_file(cpu, str(tmp), metadata=metadata)
+                write_safetensors(cpu, tmp, metadata=metadata)
                 os.replace(tmp, path)  # atomic: readers see the old file or the new one, never a partial one
             except Exception as e:  # any failure, not just I/O: raised in the caller's thread by check()
                 logger.exception("drafter checkpoint write to %s failed", path)

@@ -13,6 +13,27 @@ from tlt.models.config import ModelConfig
 from tlt.models.decoder import Decoder
 
 
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
+                      metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, leaving the file readable as any new file is under the umask (save_file itself
+    creates it owner-only, mode 0600: other users of a shared checkpoint directory could not load the weights)."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~umask())
+
+
+def umask() -> int:
+    """This process's umask, read without changing it (Linux); else set and restored at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _fail(msg: str):
     raise FileNotFoundError(msg)
 
@@ -112,7 +133,7 @@ def save_model(model: Decoder, path: str | os.PathLike, hf_config: dict | None =
     """Write config.json + model.safetensors that transformers and tlt both load."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(hf_state_dict(model), str(path / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(hf_state_dict(model), path / "model.safetensors", metadata={"format": "pt"})
     if hf_config is not None:
         (path / "config.json").write_text(json.dumps(hf_config, indent=2))
 

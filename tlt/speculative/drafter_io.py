@@ -26,9 +26,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from tlt.models.config import ModelConfig
+from tlt.models.loader import write_safetensors
 from tlt.speculative.drafter import Drafter
 
 _SGLANG_ARCH = {"llama": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}  # the EAGLE-1 classes it has
@@ -39,7 +40,7 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, extra: dict | None = Non
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in drafter.trainable_state_dict().items()}
-    save_file(state, str(out / "drafter.safetensors"), metadata={"format": "pt"})
+    write_safetensors(state, out / "drafter.safetensors", metadata={"format": "pt"})
     meta = {"format": "tlt-drafter-v1", "model_config": dataclasses.asdict(drafter.cfg), "extra": extra or {}}
     (out / "drafter_config.json").write_text(json.dumps(meta, indent=2))
     if drafter.d2t is not None:
@@ -110,7 +111,7 @@ def export_eagle(drafter: Drafter, target_hf_config: dict, out_dir: str | Path, 
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     cfg.pop("layer_types", None)  # per-layer lists of the target would not match one layer
     state = {k: v.to(dtype) for k, v in eagle_state_dict(drafter).items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(state, out / "model.safetensors", metadata={"format": "pt"})
     if drafter.d2t is not None:
         torch.save(drafter.d2t.cpu().tolist(), out / "hot_token_ids.pt")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -157,7 +158,7 @@ def build_draft_vocab(token_counts: torch.Tensor | Mapping[int, int], size: int,
 
 
 def save_draft_vocab(d2t: torch.Tensor, path: str | Path) -> None:
-    save_file({"d2t": d2t.detach().to(torch.long).contiguous().cpu()}, str(path))
+    write_safetensors({"d2t": d2t.detach().to(torch.long).contiguous().cpu()}, path)
 
 
 def load_draft_vocab(path: str | Path) -> torch.Tensor:
