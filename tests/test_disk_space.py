@@ -148,4 +148,3 @@ def test_a_save_that_fails_part_way_says_what_survives(tmp_path):
     with pytest.raises(OSError) as caught:
         empty.save(1, disk_full, state, cfg)
     assert any("no earlier checkpoint exists" in n for n in caught.value.__notes__)
-
