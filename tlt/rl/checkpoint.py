@@ -15,6 +15,10 @@ another complete checkpoint during the swap). trainer.resume=auto resumes from t
 (all of REQUIRED_FILES present), saying which newer directories it skipped. trainer.max_ckpt_to_keep rotates
 old checkpoints out once a new one is complete. trainer_state.pt holds tensors and plain containers only and is
 loaded with torch.load(weights_only=True): nothing in it can run code.
+
+Before writing, the trainer checks that its disk holds the tensors it is about to write (`check_space`, every rank
+its own part): a checkpoint that will not fit is refused with nothing of it written (CheckpointSpaceError), and a
+save that fails part-way anyway is removed and its error says which complete checkpoint survives.
 """
 from __future__ import annotations
 
