@@ -19,7 +19,7 @@ from tlt.rl.tiny_model import build_tiny_model
 from tlt.rl.trainer import GRPOTrainer
 from tlt.schema import UserError
 
-from test_trainer import make_overrides
+from tests.test_trainer import make_overrides
 
 GiB = 2**30
 Usage = namedtuple("Usage", "total used free")
