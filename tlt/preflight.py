@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tlt.config import Config
+from tlt.config import Config, TrainerConfig
 from tlt.rl.tiny_model import TINY_MODEL_NAME
 from tlt.schema import UserError
 
@@ -156,7 +156,7 @@ def checkpoint_bytes(cfg: Config) -> int:
     return size
 
 
-def checkpoints_held(t) -> int:
+def checkpoints_held(t: TrainerConfig) -> int:
     """The most checkpoints a run's disk holds at once: every save (trainer.save_freq and the last step), or
     trainer.max_ckpt_to_keep plus the one being written before the oldest is rotated out."""
     saves = t.total_steps // t.save_freq + (t.total_steps % t.save_freq != 0) if t.save_freq > 0 else 1
