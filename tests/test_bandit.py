@@ -700,6 +700,35 @@ def test_n_gram_hits_in_a_closed_bucket_bring_its_probe_nearer():
     assert steps_to_probe(lambda n: True, lost=0.4) == 17 and steps_to_probe(lambda n: False, lost=0.4) == 134
 
 
+def test_a_row_that_loops_in_a_closed_bucket_brings_its_probe_to_the_floor():
+    """At bs 3 one row of three loops. The closed bucket asks about one row a step, in turn, so the shadow's hit rate
+    stays near a third and, after two probes that found nothing, its wait is backed off: 2 s (0.1 s lost at probe
+    0.05) x about 2/3 x 4, 72 plain steps of 0.07 s. With `follow` on (4), the looping row's fourth hit in a row (the
+    10th step) brings the wait to its floor, an eighth with no back-off: the bucket probes at the 16 steps it must ask
+    first. A miss of that row (the 15th step) ends its loop until four more hits (the 27th); control: follow=0 waits
+    the 72 steps."""
+    ngram = Arm("ngram4", "ngram", 4, 1, 4)
+
+    def steps_to_probe(follow, miss_at=None):
+        bandit = _one_bucket([OFF, ngram], epsilon=0.0, min_samples=1, probe=0.05, backoff=4, follow=follow)
+        bandit.update(3, OFF, 3.0, 0.07)
+        for probe in range(3):  # the first close, then two probes that find n-gram drafts still losing
+            assert bandit.select(3) is ngram
+            bandit.update(3, ngram, 3.0, 0.17)
+            assert bandit.closed_buckets() == ["bs>=1"]
+            for n in range(1, 1000):
+                row = n % 3  # rows in turn, as SpecDecoder._ask_ngram asks them
+                bandit.shadow(3, row == 0 and n != miss_at if probe == 2 else False, row)
+                bandit.update(3, OFF, 3.0, 0.07)
+                if not bandit.closed_buckets():
+                    break
+        return n
+
+    assert steps_to_probe(follow=4) == 16
+    assert steps_to_probe(follow=0) == 72
+    assert steps_to_probe(follow=4, miss_at=15) == 27
+
+
 def test_a_new_drafter_reopens_only_the_closed_buckets_where_its_gain_could_pay():
     """forget(gain=g): a closed bucket whose best drafter arm ran at 0.6x of "off" stays closed for a 10% better
     drafter (0.66x), its arms' windows untouched; one at 0.95x reopens (1.045x beats off by min_gain 3%). Gains

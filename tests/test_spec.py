@@ -456,7 +456,7 @@ def test_a_closed_bucket_asks_the_n_gram_drafter_about_each_plain_step(sharp_lla
         propose = spec.ngram.propose
         spec.ngram.propose = lambda seq_id, k=None: asked.append(
             (list(spec.ngram.seqs[seq_id].tokens), propose(seq_id, k))) or asked[-1][1]
-        spec.bandit.shadow = lambda bs, hit: hits.append(hit)
+        spec.bandit.shadow = lambda bs, hit, row: hits.append(hit)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], asked, hits
 
     outputs, asked, hits = run(closed=True)

@@ -98,7 +98,9 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   above: once the rows asked keep hitting, an eighth of it (at `probe` 0.01 a loop is probed as early as with a
   quarter at 0.02, and a blind probe costs half). A false alarm costs at most 8 times `probe`. Not
   1 - h ** d, as if a d-token draft's tokens held independently: in a loop they hold together, and that wait missed
-  the loops (docs/design.md §6).
+  the loops (docs/design.md §6). One row that loops is enough, however few of the others hit: with `follow` on, a row
+  whose last `follow` guesses held brings the wait to its eighth, without back-off (at bs 2-4 a looping row is asked
+  every two to four steps, and the rate over all rows stayed under a half).
 - A bucket stays open while any SD arm pays there, and on a 2-core CPU what paid was the n-gram arm in looping tails
   while the EAGLE arms lost in every bucket; open, the bucket kept exploring them and keeping hidden states for them,
   and each publish restarted that. So the learned drafter's arms retire on their own (`_retire_if_lost`: each with
@@ -596,12 +598,15 @@ class StrategyBandit:
         for row in rows:
             self.streak.pop(row, None)
 
-    def shadow(self, batch_size: int, hit: bool) -> None:
-        """Record whether the n-gram drafter, asked before a plain step in a closed bucket, proposed the token a row
-        then drew (a row without a proposal is a miss)."""
+    def shadow(self, batch_size: int, hit: bool, row: int | None = None) -> None:
+        """Record whether the n-gram drafter, asked before a plain step in a closed bucket, proposed the token `row`
+        then drew (a row without a proposal is a miss). With `follow` on the row's hits in a row count as in an
+        open bucket (`loop_shadow`): a row that loops brings the probe to its floor (`_probe_wait`)."""
         b = self.bucket(batch_size)
         if self.closed[b]:
             self.shadow_hits[b].append(bool(hit))
+            if row is not None and self.follow:
+                self.loop_shadow(row, hit)
 
     def shadow_rate(self, b: int) -> float:
         """Share of hits over the bucket's last SHADOW shadow steps; 0 before it has that many."""
@@ -647,10 +652,16 @@ class StrategyBandit:
     def _probe_wait(self, b: int) -> float:
         """The plain seconds closed bucket b decodes before it probes: `probe_after`, times max(1 - h, 1/8) at the
         n-gram shadow's hit rate h, and times 2 for each probe in a row that found nothing (up to 2 ** backoff)
-        unless h >= 1/2: the text repeating is news a probe has not seen."""
+        unless h >= 1/2: the text repeating is news a probe has not seen; times 1/8 alone while a row loops."""
+        if self._loops():  # one looping row is enough for n-gram drafts to pay, however few of the rows hit
+            return self.probe_after[b] * SHADOW_FLOOR
         h = self.shadow_rate(b)
         misses = self.probe_misses[b] if h < 0.5 else 0
         return self.probe_after[b] * max(1.0 - h, SHADOW_FLOOR) * self._backed_off(misses)
+
+    def _loops(self) -> bool:
+        """Whether a running row loops: its last `follow` n-gram guesses held."""
+        return bool(self.follow) and any(n >= self.follow for n in self.streak.values())
 
     def _backed_off(self, misses: int) -> int:
         """The factor on a probe's wait after `misses` probes in a row that found nothing: 2 ** misses, up to

@@ -256,7 +256,7 @@ class SpecDecoder:
                     if loop:
                         self.bandit.loop_shadow(seqs[row].seq_id, hit)
                     else:
-                        self.bandit.shadow(len(seqs), hit)
+                        self.bandit.shadow(len(seqs), hit, seqs[row].seq_id)
         else:
             only = self.bandit.following  # a step run for the looping rows drafts for them alone
             self._speculating = True
