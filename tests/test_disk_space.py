@@ -15,19 +15,13 @@ import torch
 from tlt.config import load_config
 from tlt.preflight import check_output_dir, check_run, checkpoint_bytes, checkpoints_held, model_size
 from tlt.rl.checkpoint import LATEST_FILE, CheckpointManager, CheckpointSpaceError, TrainerState, tensor_bytes
-from tlt.rl.tiny_model import build_tiny_model
 from tlt.rl.trainer import GRPOTrainer
 from tlt.schema import UserError
 
-from tests.test_trainer import make_overrides
+from tests.test_trainer import make_overrides, tiny_dir  # noqa: F401 (tiny_dir: the trainer tests' fixture)
 
 GiB = 2**30
 Usage = namedtuple("Usage", "total used free")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_policy"))
 
 
 def fake_free(monkeypatch, free):
@@ -90,7 +84,8 @@ def test_checkpoint_estimate_counts_the_drafter_buffer_the_run_can_fill(tiny_dir
     assert no_sd == 12 * params
     with_buffer = checkpoint_bytes(load_config(None, [*base, "speculative.enabled=true"]))
     assert with_buffer == no_sd + 3 * 2 * 4 * 80 * (2 * hidden + 8)
-    capped = checkpoint_bytes(load_config(None, [*base, "speculative.enabled=true", "drafter_train.buffer_max_tokens=100"]))
+    capped = checkpoint_bytes(load_config(None, [*base, "speculative.enabled=true",
+                                                 "drafter_train.buffer_max_tokens=100"]))
     assert capped == no_sd + 100 * (2 * hidden + 8)
     assert checkpoint_bytes(load_config(None, [*base, "speculative.enabled=true",
                                                "trainer.save_drafter_buffer=false"])) == no_sd
