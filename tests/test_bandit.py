@@ -920,8 +920,8 @@ def test_an_open_bucket_runs_its_n_gram_arm_while_a_row_loops():
     with a request waiting (rows=None) does not follow, nor one where a row that does not loop has as many tokens left
     as the looping row or more (`left`: drafting for it brings the batch's end no nearer).
     Controls: 3 hits, or 3 hits, a miss and 3 more, keep "off"; another row's hits do not count; a looping row outside
-    the batch does not count; follow=0 never follows; a closed bucket asks nothing (its own shadow rule brings its
-    probe nearer)."""
+    the batch does not count; follow=0 never follows; a closed bucket does not watch (its shadow asks instead: the
+    next test)."""
     ngram = Arm("ngram3", "ngram", 3, 1, 3)
 
     def fresh(follow=4, close=False):
@@ -971,6 +971,47 @@ def test_an_open_bucket_runs_its_n_gram_arm_while_a_row_loops():
     assert bandit.closed_buckets() == ["bs>=1"] and not bandit.watching(1) and bandit.shadowing(1)
 
 
+def test_a_closed_bucket_follows_a_row_that_loops_and_stays_closed():
+    """The n-gram arm lost here (0.62 of a plain step's worth) while no row looped, and the bucket closed. A row that
+    loops later is followed there too: the closed bucket's shadow guesses (`shadow`, with the row's key) count its
+    hits in a row, and at `follow` (4) the bucket runs its n-gram arm for that row, whatever its window says. It stays
+    closed: the step is recorded in the arm's window and the ledger, only plain steps count towards its probe, and a
+    step where the row gains no drafted token ends the loop. Controls: three hits keep "off"; follow=0 never
+    follows; a looping row that a row which does not loop outlasts (`left`) is not followed."""
+    ngram = Arm("ngram3", "ngram", 3, 1, 3)
+
+    def closed(follow=4):
+        bandit = _one_bucket([OFF, ngram], epsilon=0.0, follow=follow, probe=0.01)
+        for _ in range(5):
+            bandit.update(2, OFF, 2.0, 1.0, 1.0)
+            bandit.update(2, ngram, 2.0, 1.6, 1.0)   # 0.62x of plain decoding: lost
+        assert bandit.closed_buckets() == ["bs>=1"] and bandit.shadowing(2) and not bandit.watching(2)
+        return bandit
+
+    bandit = closed()
+    for hit in [True] * 3:
+        bandit.shadow(2, hit, 10)
+    bandit.shadow(2, True, 11)
+    assert bandit.select(2, [10, 11]) is OFF          # 3 hits for row 10, 1 for row 11: not yet
+    bandit.update(2, OFF, 2.0, 1.0, 1.0)
+    bandit.shadow(2, True, 10)
+    assert bandit.select(2, [10, 11]) is ngram and bandit.following == {10}  # the 4th: row 10 loops
+    steps, ledger, plain = len(bandit.steps[0]["ngram3"]), len(bandit.ledger[0]), bandit.closed_steps[0]
+    bandit.update(2, ngram, 5.0, 1.2, 4.0)            # the step drafted 3 tokens for row 10
+    bandit.loop_drafted({10: 4})
+    assert bandit.closed_buckets() == ["bs>=1"] and bandit.closed_steps[0] == plain
+    assert (len(bandit.steps[0]["ngram3"]), len(bandit.ledger[0])) == (steps + 1, ledger + 1)
+    assert bandit.select(2, [10, 11]) is ngram and bandit.loop_steps == 2
+    assert bandit.select(2, [10, 11], left=[5, 9]) is OFF   # row 11, not looping, outlasts it
+    bandit.loop_drafted({10: 1})                      # no drafted token for row 10: its loop ended
+    assert bandit.select(2, [10, 11]) is OFF and bandit.closed_buckets() == ["bs>=1"]
+
+    bandit = closed(follow=0)
+    for _ in range(10):
+        bandit.shadow(2, True, 10)
+    assert bandit.select(2, [10, 11]) is OFF and bandit.following is None
+
+
 def test_loop_following_is_on_with_the_cpu_profile_and_off_with_the_gpu_one_unless_set():
     """speculative.follow_loops null: 4 where the arm table is the CPU's (by the engine's device, or device_profile),
     off where it is the GPU's; a value set is used as it is."""
@@ -986,7 +1027,7 @@ def test_only_guesses_start_a_loop_which_follows_its_row_across_buckets_and_keep
     """A row's loop starts from plain steps' guesses alone: n-gram steps that gained it drafted tokens while not
     following (greedy or explored) start none. Following, "off" still runs where its price would go stale (every
     `refresh` choices), and a hit there keeps the loop. The loop is the row's: it goes on where the batch moves to
-    another open bucket with an n-gram arm and after a published drafter (`forget`), and not in a closed bucket."""
+    another bucket with an n-gram arm, open or closed, and after a published drafter (`forget`)."""
     ngram = Arm("ngram3", "ngram", 3, 1, 3)
     arms = [OFF, ngram]
 
@@ -1026,4 +1067,4 @@ def test_only_guesses_start_a_loop_which_follows_its_row_across_buckets_and_keep
     bandit.forget(gain=0.01)                         # a publish: still following
     assert bandit.select(3, [6, 7, 8]) is ngram and bandit.select(1, [7]) is ngram  # in either bucket
     bandit.closed[1] = True
-    assert bandit.select(3, [6, 7, 8]) is OFF and bandit.select(1, [7]) is ngram
+    assert bandit.select(3, [6, 7, 8]) is ngram and bandit.select(1, [7]) is ngram

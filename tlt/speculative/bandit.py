@@ -93,14 +93,14 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   the short-tailed first steps, and later steps ended in rows looping to the length limit, where n-gram drafts held
   about 4-4.6 tokens a step (docs/design.md §6). Without probing, a closed bucket reopens only for a new drafter.
 - The wait for a probe is shorter where the text repeats: at each plain step a closed bucket with an n-gram arm asks
-  the n-gram drafter for one row's next token (rows in turn; `NgramDrafter.propose` with k = 1, which may differ
-  from a longer draft's first token), and at a hit rate h over the last 16 asked the wait is max(1 - h, 1/8) of the
+  the n-gram drafter for the next token of up to four rows where no request waits, one where one does (rows in turn;
+  `NgramDrafter.propose` with k = 1, which may differ from a longer draft's first token), and at a hit rate h over the last 16 asked the wait is max(1 - h, 1/8) of the
   above: once the rows asked keep hitting, an eighth of it (at `probe` 0.01 a loop is probed as early as with a
   quarter at 0.02, and a blind probe costs half). A false alarm costs at most 8 times `probe`. Not
   1 - h ** d, as if a d-token draft's tokens held independently: in a loop they hold together, and that wait missed
   the loops (docs/design.md §6). One row that loops is enough, however few of the others hit: with `follow` on, a row
-  whose last `follow` guesses held brings the wait to its eighth, without back-off (at bs 2-4 a looping row is asked
-  every two to four steps, and the rate over all rows stayed under a half).
+  whose last `follow` guesses held brings the wait to its eighth, without back-off (the rate over all rows stayed
+  under a half at bs 2-4 with one looping row), and is followed there as in an open bucket (below).
 - A bucket stays open while any SD arm pays there, and on a 2-core CPU what paid was the n-gram arm in looping tails
   while the EAGLE arms lost in every bucket; open, the bucket kept exploring them and keeping hidden states for them,
   and each publish restarted that. So the learned drafter's arms retire on their own (`_retire_if_lost`: each with
@@ -109,11 +109,13 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   them (`capturing`). A probe of a closed bucket then tries its other SD arms afresh; the drafter's arms return for a
   drafter whose gain could pay (`forget`) or by their own probe, once the bucket decoded 1 / `probe` times the seconds
   they lost (at least SHADOW steps).
-- An open bucket follows a loop (`follow`, 4): where no request waits, each plain step there asks the n-gram
-  drafter for the next token of up to four rows (in turn; `loop_shadow`), and a row whose next token it guessed
-  `follow` times in a row loops. While a row of the batch loops, the bucket runs its n-gram arm whatever its window
-  says, until a step where that row gains no drafted token (`loop_drafted`) or it finishes; only guesses start a
-  loop, and "off" still runs where its price would go stale. In a looping tail n-gram drafts hold 3-4.6 tokens a step
+- A bucket follows a loop (`follow`, 4): where no request waits, each plain step asks the n-gram drafter for the
+  next token of up to four rows (in turn; `loop_shadow`, or `shadow` in a closed bucket), and a row whose next token
+  it guessed `follow` times in a row loops. While a row of the batch loops, the bucket runs its n-gram arm whatever
+  its window says, until a step where that row gains no drafted token (`loop_drafted`) or it finishes; only guesses
+  start a loop, and "off" still runs where its price would go stale. A closed bucket follows too, and stays closed
+  (its probe counts plain steps only): it closed on what SD was worth before the loop began, as bs 2-4 did in the
+  short-tailed second step of default runs, and a false alarm costs one n-gram step. In a looping tail n-gram drafts hold 3-4.6 tokens a step
   while the arm's window, over the rest of the rollout, says it loses: in one of three default runs on an AVX2 CPU
   exploration went elsewhere and the loop that saved 1.1-2.0 s in the other two was decoded plainly. Any looping
   row, not only the critical ones: a looping row runs to its limit, while the rows the rollout seems to wait for
@@ -323,12 +325,12 @@ class StrategyBandit:
         self.probe_misses = [0 for _ in self.arms]
         self.probing = [False for _ in self.arms]
         # per closed bucket with an n-gram arm: whether the n-gram drafter would have proposed the token a row drew,
-        # at its last SHADOW plain steps (one row a step; `shadow`), which shortens the wait for a probe
+        # for its last SHADOW rows asked (up to four a plain step; `shadow`), which shortens the wait for a probe
         self.shadow_hits = [deque(maxlen=SHADOW) for _ in self.arms]
         self._has_drafter = [any(a.method in DRAFTER_METHODS for a in bucket) for bucket in self.arms]
         # per bucket: its first n-gram arm. Per row (the caller's key, `loop_shadow`): how many times in a row the
         # n-gram drafter, asked before a plain step, guessed its next token; a row at `follow` or more loops, and while
-        # a row of the batch loops an open bucket runs its n-gram arm (`select`), until a step where that row gains no
+        # a row of the batch loops its bucket, open or closed, runs its n-gram arm (`select`), until a step where that row gains no
         # drafted token (`loop_drafted`) or the row finishes (`loop_end`)
         self._ngram_arm = [next((a for a in bucket if a.method == "ngram"), None) for bucket in self.arms]
         self.streak: dict[int, int] = {}
@@ -360,13 +362,11 @@ class StrategyBandit:
         arms = self._active(b)
         untried = self._untried(b)
         self.following = None
-        if self.closed[b]:
-            arm = self.off[b]  # a bucket closes only where it has an "off" arm
-        elif untried:
+        if untried and not self.closed[b]:
             arm = untried[0]
         elif rows is not None and (lead := self._following(b, rows, left)):
-            # a row loops: n-gram drafts hold there, whatever the arm's window says; "off" still runs where its price
-            # would go stale (_price_stale), and that step's guesses keep the loop going
+            # a row loops: n-gram drafts hold there, whatever the arm's window says, also in a closed bucket; "off"
+            # still runs where its price would go stale (_price_stale), and that step's guesses keep the loop going
             if self._price_stale(b, batch_size):
                 arm = self.off[b]
                 self._refreshing[b] = True
@@ -374,6 +374,8 @@ class StrategyBandit:
                 arm = self._ngram_arm[b]
                 self.loop_steps += 1
                 self.following = lead
+        elif self.closed[b]:
+            arm = self.off[b]  # a bucket closes only where it has an "off" arm
         elif self.rng.random() < self.epsilon * self.window / (self.window + self.since_forget[b]):
             best = self._best(b)
             live = [a for a in arms if not self._dominated(b, a.name, best)]
@@ -601,7 +603,8 @@ class StrategyBandit:
     def shadow(self, batch_size: int, hit: bool, row: int | None = None) -> None:
         """Record whether the n-gram drafter, asked before a plain step in a closed bucket, proposed the token `row`
         then drew (a row without a proposal is a miss). With `follow` on the row's hits in a row count as in an
-        open bucket (`loop_shadow`): a row that loops brings the probe to its floor (`_probe_wait`)."""
+        open bucket (`loop_shadow`): a row that loops is followed (`select`) and brings the probe to its floor
+        (`_probe_wait`)."""
         b = self.bucket(batch_size)
         if self.closed[b]:
             self.shadow_hits[b].append(bool(hit))

@@ -39,8 +39,8 @@ class SpecConfig:
                                        "learned drafter's, where they retired, wait for their own probe, counted "
                                        "alike from what they lost), once it has "
                                        "decoded plainly for 1 / probe_closed times the seconds SD lost there before "
-                                       "it closed, sooner where the n-gram drafter, asked one row's next token each "
-                                       "plain step, keeps guessing it (a repetitive tail): where SD never pays, "
+                                       "it closed, sooner where the n-gram drafter, asked rows' next tokens each "
+                                       "plain step, keeps guessing them (a repetitive tail): where SD never pays, "
                                        "the bucket's probes cost about this fraction of its time, and its retired "
                                        "drafter arms' as much again. 0 = only a new drafter reopens it "
                                        "(docs/design.md §6)",
@@ -53,9 +53,9 @@ class SpecConfig:
                                    "every wait as long as the first "
                                    "(docs/design.md §6)", ge=0)
     follow_loops: int | None = option(
-        None, "a row loops once the n-gram drafter, asked at plain steps of an open batch-size bucket with no "
-              "request waiting for the next token of up to 4 rows a step (in turn), has guessed its next token this "
-              "many times in a row; while a row of the batch loops, the bucket runs its n-gram arm whatever the arm's "
+        None, "a row loops once the n-gram drafter, asked at plain steps with no request waiting for the next "
+              "token of up to 4 rows a step (in turn), has guessed its next token this many times in a row; while a "
+              "row of the batch loops, its batch-size bucket, open or closed, runs its n-gram arm whatever the arm's "
               "average says, until a step where that row gains no drafted token, a guess about it misses or it "
               "finishes. 0 = off; null = 4 with the cpu profile, off with the gpu one (its cost on a GPU is "
               "unmeasured; docs/design.md §6)", ge=0)

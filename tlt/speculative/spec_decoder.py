@@ -35,7 +35,7 @@ from tlt.speculative.verify import (chain_to_tree, emitted_logprobs, tree_layout
                              verify_stochastic)
 from tlt.speculative.verify_static import GraphedAcceptance, WalkShape, can_reserve, read, reserve
 
-LOOP_ASKS = 4  # rows a plain step of an open bucket asks the n-gram drafter about (_ask_ngram): a loop at bs 20 shows
+LOOP_ASKS = 4  # rows a plain step asks the n-gram drafter about (_ask_ngram): a loop at bs 20 shows
 #                within 20 steps of `follow_loops` = 4
 
 
@@ -285,15 +285,15 @@ class SpecDecoder:
 
     def _ask_ngram(self, seqs: list[Sequence], waiting: bool) -> tuple[bool, list[tuple[int, list[int]]]] | None:
         """Before a plain step, ask the n-gram drafter for rows' next tokens (rows in turn): (whether the answers
-        watch for loops, [(row, guess)]) or None; waiting: whether a request waits for a slot. A closed bucket asks
-        about one row: a stretch where its guesses would hold (a repetitive tail) brings its next probe nearer
-        (StrategyBandit.shadow). An open one with no request waiting asks about up to LOOP_ASKS rows: a row whose
-        guesses keep holding loops, and n-gram drafts pay there whatever the arm's window says
-        (StrategyBandit.loop_shadow). A guess costs 20-120 us (docs/design.md §6), a plain step on a 2-core CPU
-        10-30 ms."""
+        watch for loops in an open bucket, [(row, guess)]) or None; waiting: whether a request waits for a slot.
+        With no request waiting a step asks about up to LOOP_ASKS rows: a row whose guesses keep holding loops, and
+        n-gram drafts pay there whatever the bucket's past says (StrategyBandit.loop_shadow; in a closed bucket
+        StrategyBandit.shadow, where a stretch of hits, a repetitive tail, also brings the next probe nearer). A
+        closed bucket with a request waiting asks about one row, for its probe alone. A guess costs 20-120 us
+        (docs/design.md §6), a plain step on a 2-core CPU 10-30 ms."""
         n = len(seqs)
         if self.bandit.shadowing(n):
-            loop, asks = False, 1
+            loop, asks = False, 1 if waiting else min(n, LOOP_ASKS)
         elif self.bandit.watching(n) and not waiting:
             loop, asks = True, min(n, LOOP_ASKS)
         else:
