@@ -94,13 +94,14 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   about 4-4.6 tokens a step (docs/design.md §6). Without probing, a closed bucket reopens only for a new drafter.
 - The wait for a probe is shorter where the text repeats: at each plain step a closed bucket with an n-gram arm asks
   the n-gram drafter for the next token of up to four rows where no request waits, one where one does (rows in turn;
-  `NgramDrafter.propose` with k = 1, which may differ from a longer draft's first token), and at a hit rate h over the last 16 asked the wait is max(1 - h, 1/8) of the
-  above: once the rows asked keep hitting, an eighth of it (at `probe` 0.01 a loop is probed as early as with a
-  quarter at 0.02, and a blind probe costs half). A false alarm costs at most 8 times `probe`. Not
-  1 - h ** d, as if a d-token draft's tokens held independently: in a loop they hold together, and that wait missed
-  the loops (docs/design.md §6). One row that loops is enough, however few of the others hit: with `follow` on, a row
-  whose last `follow` guesses held brings the wait to its eighth, without back-off (the rate over all rows stayed
-  under a half at bs 2-4 with one looping row), and is followed there as in an open bucket (below).
+  `NgramDrafter.propose` with k = 1, which may differ from a longer draft's first token), and at a hit rate h over the
+  last 16 asked the wait is max(1 - h, 1/8) of the above: once the rows asked keep hitting, an eighth of it (at
+  `probe` 0.01 a loop is probed as early as with a quarter at 0.02, and a blind probe costs half). A false alarm costs
+  at most 8 times `probe`. Not 1 - h ** d, as if a d-token draft's tokens held independently: in a loop they hold
+  together, and that wait missed the loops (docs/design.md §6). One row that loops is enough, however few of the
+  others hit: with `follow` on, a row whose last `follow` guesses held brings the wait to its eighth, without back-off
+  (the rate over all rows stayed under a half at bs 2-4 with one looping row), and is followed there as in an open
+  bucket (below).
 - A bucket stays open while any SD arm pays there, and on a 2-core CPU what paid was the n-gram arm in looping tails
   while the EAGLE arms lost in every bucket; open, the bucket kept exploring them and keeping hidden states for them,
   and each publish restarted that. So the learned drafter's arms retire on their own (`_retire_if_lost`: each with
@@ -109,22 +110,23 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   them (`capturing`). A probe of a closed bucket then tries its other SD arms afresh; the drafter's arms return for a
   drafter whose gain could pay (`forget`) or by their own probe, once the bucket decoded 1 / `probe` times the seconds
   they lost (at least SHADOW steps).
-- A bucket follows a loop (`follow`, 4): where no request waits, each plain step asks the n-gram drafter for the
-  next token of up to four rows (in turn; `loop_shadow`, or `shadow` in a closed bucket), and a row whose next token
-  it guessed `follow` times in a row loops. While a row of the batch loops, the bucket runs its n-gram arm whatever
-  its window says, until a step where that row gains no drafted token (`loop_drafted`) or it finishes; only guesses
-  start a loop, and "off" still runs where its price would go stale. A closed bucket follows too, and stays closed
-  (its probe counts plain steps only): it closed on what SD was worth before the loop began, as bs 2-4 did in the
-  short-tailed second step of default runs, and a false alarm costs one n-gram step. In a looping tail n-gram drafts hold 3-4.6 tokens a step
-  while the arm's window, over the rest of the rollout, says it loses: in one of three default runs on an AVX2 CPU
-  exploration went elsewhere and the loop that saved 1.1-2.0 s in the other two was decoded plainly. Any looping
-  row, not only the critical ones: a looping row runs to its limit, while the rows the rollout seems to wait for
-  (the furthest from theirs) may stop at EOS first, and once a loop's drafts pull its rows ahead those are the
-  others; asking about the critical rows alone followed 0-3 steps a rollout and missed a loop (docs/design.md §6).
-  But a step follows only the looping rows with more tokens left than every row that does not loop (`left`): where
-  another row outlasts them, their drafts bring the batch's end no nearer. With AMX (a plain step at bs 10 costs
-  about one at bs 1) a default run's fourth rollout followed 26 steps of rows that others outlasted, and SD off's
-  batch, which ended with 8 or more rows running, became a tail at bs 1-4: 21.1 s of decoding against 18.0 s.
+- A bucket follows a loop (`follow`, 4): where no request waits, each plain step asks the n-gram drafter for the next
+  token of up to four rows (in turn; `loop_shadow`, or `shadow` in a closed bucket), and a row whose next token it
+  guessed `follow` times in a row loops. While a row of the batch loops, the bucket runs its n-gram arm whatever its
+  window says, until a step where that row gains no drafted token (`loop_drafted`) or it finishes; only guesses start
+  a loop, and "off" still runs where its price would go stale. A closed bucket follows too, and stays closed (its
+  probe counts plain steps only): it closed on what SD was worth before the loop began, as bs 2-4 did in the
+  short-tailed second step of default runs, and a false alarm costs one n-gram step. In a looping tail n-gram drafts
+  hold 3-4.6 tokens a step while the arm's window, over the rest of the rollout, says it loses: in one of three
+  default runs on an AVX2 CPU exploration went elsewhere and the loop that saved 1.1-2.0 s in the other two was
+  decoded plainly. Any looping row, not only the critical ones: a looping row runs to its limit, while the rows the
+  rollout seems to wait for (the furthest from theirs) may stop at EOS first, and once a loop's drafts pull its rows
+  ahead those are the others; asking about the critical rows alone followed 0-3 steps a rollout and missed a loop
+  (docs/design.md §6). But a step follows only the looping rows with more tokens left than every row that does not
+  loop (`left`): where another row outlasts them, their drafts bring the batch's end no nearer. With AMX (a plain step
+  at bs 10 costs about one at bs 1) a default run's fourth rollout followed 26 steps of rows that others outlasted,
+  and SD off's batch, which ended with 8 or more rows running, became a tail at bs 1-4: 21.1 s of decoding against
+  18.0 s.
 """
 from __future__ import annotations
 
@@ -330,8 +332,8 @@ class StrategyBandit:
         self._has_drafter = [any(a.method in DRAFTER_METHODS for a in bucket) for bucket in self.arms]
         # per bucket: its first n-gram arm. Per row (the caller's key, `loop_shadow`): how many times in a row the
         # n-gram drafter, asked before a plain step, guessed its next token; a row at `follow` or more loops, and while
-        # a row of the batch loops its bucket, open or closed, runs its n-gram arm (`select`), until a step where that row gains no
-        # drafted token (`loop_drafted`) or the row finishes (`loop_end`)
+        # a row of the batch loops its bucket, open or closed, runs its n-gram arm (`select`), until a step where that
+        # row gains no drafted token (`loop_drafted`) or the row finishes (`loop_end`)
         self._ngram_arm = [next((a for a in bucket if a.method == "ngram"), None) for bucket in self.arms]
         self.streak: dict[int, int] = {}
         self.loop_steps = 0                             # n-gram steps chosen that way, all buckets
