@@ -647,25 +647,3 @@ def test_a_forward_of_some_tree_nodes_is_the_full_forward_there(tiny_llama_dir, 
     model.attention_backend = "flex"  # nor where the full forward's attention would be FlexAttention's
     with torch.inference_mode():
         assert model.forward_nodes(tokens, lens[:, None] + depths, kv.view(lens, s0, mask), valid) is None
-
-
-def test_prompts_take_onednn_in_bf16_on_an_amx_cpu_and_the_path_in_force_elsewhere(monkeypatch):
-    """kernels.prompt_backend, the matmul path of a prompt's forward: bf16 on a CPU with AMX goes to oneDNN (its
-    matmul runs on the tile unit, tlt's kernel by default does not); fp32, a CPU without AMX, and a block that set
-    another path keep the path in force. `backend` sets the path of its own thread only: a spot drafter round in
-    another thread keeps "auto" while a prompt runs."""
-    import threading
-    monkeypatch.setattr(kernels, "cpu_has_amx_bf16", lambda: True)
-    assert kernels.prompt_backend(torch.bfloat16) == "onednn" and kernels.prompt_backend(torch.float32) == "auto"
-    with kernels.backend("torch"):
-        assert kernels.prompt_backend(torch.bfloat16) == "torch"
-    monkeypatch.setattr(kernels, "cpu_has_amx_bf16", lambda: False)
-    assert kernels.prompt_backend(torch.bfloat16) == "auto"
-    seen = []
-    with kernels.backend("onednn"):
-        other = threading.Thread(target=lambda: seen.append(kernels.matmul_path(torch.ones(2, 8), torch.ones(4, 8))))
-        other.start()
-        other.join()
-        seen.append(kernels._backend())
-    assert seen == [kernels.matmul_path(torch.ones(2, 8), torch.ones(4, 8)), "onednn"] and kernels._backend() == "auto"
-

@@ -184,32 +184,6 @@ def test_bf16_engine_logprobs_match_an_fp32_forward(tiny_llama_dir, monkeypatch)
         assert not torch.allclose(got[1:], want[:-1], atol=0.05, rtol=0.02)
 
 
-def test_bf16_prompts_run_on_onednn_where_the_cpu_has_amx_and_sd_still_samples_plain_decodings_tokens(
-        tiny_llama_dir, monkeypatch):
-    """On a CPU with AMX (forced here) a bf16 engine's prefill runs its matmuls on oneDNN and its decode steps on
-    the fused bf16 layer; seeded requests sample the same tokens and log-probs with n-gram SD as without (prefill
-    rounds alike for both, decode and verification as before). Control: without AMX the prefill's path is "auto"."""
-    from tlt.engine import model_runner
-    monkeypatch.setattr(kernels, "cpu_has_amx_bf16", lambda: True)
-    paths, real = [], kernels.prompt_backend
-    monkeypatch.setattr(model_runner.kernels, "prompt_backend", lambda dtype: paths.append(real(dtype)) or paths[-1])
-    calls = count_fused_calls(monkeypatch)
-    prompts = [[5, 9, 2, 7, 5, 9, 2, 7], [3, 1, 3, 1, 3, 1], [11, 12, 13, 14, 15, 16]]
-    params = tlt.SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=3)
-
-    def run(**kw):
-        llm = tlt.LLM(model=tiny_llama_dir, dtype="bfloat16", device="cpu", skip_tokenizer_init=True, **kw)
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompt_token_ids=prompts,
-                                                                                         sampling_params=params)]
-    plain = run()
-    assert paths == ["onednn"] and calls  # one prefill on oneDNN; decode steps on the fused layer
-    spec = run(speculative_config=dict(method="ngram", bs_threshold=None, adaptive=False, num_speculative_tokens=4))
-    assert spec == plain
-    monkeypatch.setattr(kernels, "cpu_has_amx_bf16", lambda: False)
-    run()
-    assert paths[-1] == "auto"
-
-
 def test_small_gemm_bf16_logits_sized_output_streams_the_same_values():
     """An fp32 output of 4 MiB or more (the LM head's logits) is written with non-temporal stores: the same values,
     bit for bit, as the rows computed alone (a normally stored output), and the float64 product within fp32 sums.

@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from tlt.engine.cuda_graph import GraphedForward
 from tlt.engine.kv_cache import KVCache
 from tlt.engine.sequence import Sequence
-from tlt.models import kernels
 from tlt.models.decoder import Decoder
 
 
@@ -49,14 +48,12 @@ class ModelRunner:
         lens = [len(s.prompt_ids) for s in seqs[:U]]
         T, s0 = max(lens), seqs[0].slot
         parts = []
-        # the prompts' own matmul path (kernels.prompt_backend: no other forward rounds as they must)
-        with kernels.backend(kernels.prompt_backend(self.kv.dtype)):
-            for a, b in self._prefill_chunks(lens):
-                Tc = max(lens[a:b])  # right padding: causal rows never see it
-                ids = self._tensor([s.prompt_ids + [0] * (Tc - len(s.prompt_ids)) for s in seqs[a:b]])
-                positions = torch.arange(Tc, device=self.device).expand(b - a, Tc)
-                zero = torch.zeros(b - a, dtype=torch.long, device=self.device)
-                parts.append(self.model(ids, positions, self.kv.view(zero, s0 + a)))
+        for a, b in self._prefill_chunks(lens):
+            Tc = max(lens[a:b])  # right padding: causal rows never see it
+            ids = self._tensor([s.prompt_ids + [0] * (Tc - len(s.prompt_ids)) for s in seqs[a:b]])
+            positions = torch.arange(Tc, device=self.device).expand(b - a, Tc)
+            zero = torch.zeros(b - a, dtype=torch.long, device=self.device)
+            parts.append(self.model(ids, positions, self.kv.view(zero, s0 + a)))
         # a group shorter than the longest prompt is padded with zeros (positions past a prompt are never read)
         hidden = torch.cat([F.pad(h, (0, 0, 0, T - h.shape[1])) for h in parts]) if len(parts) > 1 else parts[0]
         last = hidden[torch.arange(U), self._tensor(lens) - 1]

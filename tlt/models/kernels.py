@@ -22,7 +22,6 @@
   Both kernels prefetch the weight's next panel in software from a few rows on, and on Intel CPUs from fewer or
   one, whose hardware prefetcher left the 1-3-row matmuls of decoding and verification waiting on memory
   (`prefetch_min_rows`; a bf16 decode step at bs 1 about 15% faster on an Emerald Rapids Xeon).
-- bf16 in a prompt's forward on a CPU with AMX (`prompt_backend`): the oneDNN-prepacked weight, on the tile unit.
 - bf16 otherwise (more rows, no AVX512-BF16): a oneDNN-prepacked weight. Bit-identical to F.linear and about 2x
   faster at decode batch sizes on a CPU with avx512_bf16 (a [1, 576] x [576, 3072] matmul: 115 -> 59 us on one
   EPYC core).
@@ -56,7 +55,6 @@ import hashlib
 import os
 import shutil
 import subprocess
-import threading
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -82,37 +80,21 @@ _SRCS = [_CSRC / name for name in ("small_gemm.c", "small_gemm_bf16.c", "cached_
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _PACKED: dict[tuple[int, str], tuple] = {}  # (id(weight), path) -> (weakref, data_ptr, version, packed)
 # lib: None = not tried yet, False = unavailable; amx: whether the bf16 kernel runs on AMX tiles
-_state = {"onednn": True, "lib": None, "amx": False}
-_local = threading.local()  # the path `backend` sets, per thread (a spot drafter round runs beside the rollout)
-
-
-def _backend() -> str:
-    return getattr(_local, "backend", "auto")
+_state = {"backend": "auto", "onednn": True, "lib": None, "amx": False}
 
 
 @contextlib.contextmanager
 def backend(name: str):
-    """Serve inference matmuls inside a block by one path, in this thread: "auto" (the default, see module doc),
-    "torch" (F.linear), "onednn" (prepacked, bf16/fp32), "small_gemm" (fp32, up to SMALL_GEMM_MAX_ROWS rows; layers
-    op by op) or "fused" (small_gemm, and cached few-token layers in one `decode_layer` call)."""
+    """Serve inference matmuls inside a block by one path: "auto" (the default, see module doc), "torch"
+    (F.linear), "onednn" (prepacked, bf16/fp32), "small_gemm" (fp32, up to SMALL_GEMM_MAX_ROWS rows; layers op by
+    op) or "fused" (small_gemm, and cached few-token layers in one `decode_layer` call)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown matmul backend {name!r}; valid: {', '.join(BACKENDS)}")
-    before, _local.backend = _backend(), name
+    before, _state["backend"] = _state["backend"], name
     try:
         yield
     finally:
-        _local.backend = before
-
-
-def prompt_backend(dtype: torch.dtype) -> str:
-    """The path for a prompt's forward (prefill), whose rounding no other forward must match (decode and SD's
-    verification must round alike; a prompt's K/V are the same with SD on or off): "onednn" for bf16 on a CPU with
-    AMX, where oneDNN's matmul runs on the tile unit and tlt's kernel, by default, does not (six prompts of 62 tokens
-    for 48 rows, SmolLM2-135M, two threads of a 2.6 GHz Xeon: 0.17 s against 0.51 s; docs/design.md §9); elsewhere,
-    or where a block set another path, the one in force (fp32 on AVX2: 0.58 s against 0.56 s)."""
-    if _backend() == "auto" and dtype == torch.bfloat16 and _state["onednn"] and cpu_has_amx_bf16():
-        return "onednn"
-    return _backend()
+        _state["backend"] = before
 
 
 @contextlib.contextmanager
@@ -239,7 +221,7 @@ def small_gemm_lib():
 
 def matmul_path(x: torch.Tensor, weight: torch.Tensor) -> str:
     """Which path `linear(x, weight)` takes: "torch", "onednn", "small_gemm" or "small_gemm_bf16"."""
-    b = _backend()
+    b = _state["backend"]
     if (b == "torch" or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != weight.dtype
             or weight.dim() != 2 or weight.is_inference()):
         return "torch"
@@ -368,7 +350,7 @@ def small_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bia
 
 def _attention_kernel_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     D = q.shape[-1]
-    return (_backend() != "torch" and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
+    return (_state["backend"] != "torch" and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
             and not (torch.is_grad_enabled() and q.requires_grad) and D % 8 == 0 and D <= 256 and q.stride(-1) == 1
             and k.is_contiguous() and v.is_contiguous() and q.shape[2] % k.shape[1] == 0
             and small_gemm_lib() is not None)
@@ -388,7 +370,7 @@ def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
 
 
 def _logprobs_kernel_ok(logits: torch.Tensor) -> bool:
-    return (_backend() != "torch" and logits.device.type == "cpu" and logits.dtype == torch.float32
+    return (_state["backend"] != "torch" and logits.device.type == "cpu" and logits.dtype == torch.float32
             and logits.dim() == 2 and not (torch.is_grad_enabled() and logits.requires_grad)
             and small_gemm_lib() is not None)
 
@@ -464,7 +446,7 @@ def decode_layer_ok(x: torch.Tensor, w: LayerWeights, k_cache: torch.Tensor) -> 
     """Whether `decode_layer` serves this layer: on CPU without autograd, fp32 on the small-row matmul path or bf16
     on the bf16 kernel's (x, weights and cache of one dtype), and shapes its kernel handles. Off under
     backend("torch" / "onednn" / "small_gemm"); "fused" forces it where it can run."""
-    if _backend() not in ("auto", "fused") or not x.is_contiguous() or not k_cache.is_contiguous():
+    if _state["backend"] not in ("auto", "fused") or not x.is_contiguous() or not k_cache.is_contiguous():
         return False
     D, H = k_cache.shape[-1], x.shape[-1]
     path = "small_gemm" if k_cache.dtype == torch.float32 else "small_gemm_bf16"
