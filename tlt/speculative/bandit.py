@@ -583,8 +583,9 @@ class StrategyBandit:
         return bool(self.follow) and not self.closed[b] and self._ngram_arm[b] is not None
 
     def loop_shadow(self, row: int, hit: bool) -> None:
-        """Record whether the n-gram drafter, asked before a plain step of an open bucket with no request waiting,
-        proposed the token the row then drew; `follow` hits in a row and the row loops."""
+        """Record whether the n-gram drafter, asked before a plain step with no request waiting (of an open bucket;
+        a closed one's answers come through `shadow`), proposed the token the row then drew; `follow` hits in a row
+        and the row loops."""
         if hit:
             self.streak[row] = self.streak.get(row, 0) + 1
         else:
