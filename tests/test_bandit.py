@@ -971,12 +971,44 @@ def test_an_open_bucket_runs_its_n_gram_arm_while_a_row_loops():
     assert bandit.closed_buckets() == ["bs>=1"] and not bandit.watching(1) and bandit.shadowing(1)
 
 
+def test_steps_run_for_a_loop_do_not_make_the_arm_the_greedy_choice_after_it():
+    """The n-gram arm's own steps ran at 0.89x of plain decoding's worth, so "off" is the greedy choice. A row
+    then loops, and ten steps run for it pay 3x. Once the loop ends, "off" is still the greedy choice: the followed steps
+    are recorded neither in the arm's window nor in the ledger (they say what the arm is worth in a loop, which
+    following acts on, not what choosing it on its record brings). Control: the same ten steps recorded as the arm's
+    own make it the greedy choice, and it keeps being chosen with no row looping."""
+    ngram = Arm("ngram3", "ngram", 3, 1, 3)
+
+    def after_loop(followed):
+        bandit = _one_bucket([OFF, ngram], epsilon=0.0, close=False)
+        for _ in range(10):
+            bandit.update(2, OFF, 2.0, 1.0, 1.0)
+            bandit.update(2, ngram, 2.5, 1.4, 1.0)  # 1.25 plain steps' worth in 1.4 steps' time: 0.89x
+        assert bandit.select(2, [10, 11]) is OFF
+        for _ in range(4):
+            bandit.loop_shadow(10, True)
+        ledger = bandit.ledger_seconds(0)
+        for _ in range(10):
+            assert bandit.select(2, [10, 11]) is ngram and bandit.following == {10}
+            bandit.update(2, ngram, 6.0, 1.0, 5.0, followed=followed)  # 3 plain steps' worth in one step's time
+            bandit.loop_drafted({10: 5})
+        bandit.loop_end([10])
+        return bandit, bandit.ledger_seconds(0) - ledger
+
+    bandit, gained = after_loop(followed=True)
+    assert bandit.select(2, [11, 12]) is OFF and bandit.following is None
+    assert bandit.estimate(0, "ngram3") < 1.0 and gained == 0.0
+    bandit, gained = after_loop(followed=False)           # control: recorded as the arm's own steps
+    assert bandit.estimate(0, "ngram3") > 1.03 and gained > 0
+    assert [bandit.select(2, [11, 12]) for _ in range(5)] == [ngram] * 5 and bandit.following is None
+
+
 def test_a_closed_bucket_follows_a_row_that_loops_and_stays_closed():
     """The n-gram arm lost here (0.62 of a plain step's worth) while no row looped, and the bucket closed. A row that
     loops later is followed there too: the closed bucket's shadow guesses (`shadow`, with the row's key) count its
     hits in a row, and at `follow` (4) the bucket runs its n-gram arm for that row, whatever its window says. It stays
-    closed: the step is recorded in the arm's window and the ledger, only plain steps count towards its probe, and a
-    step where the row gains no drafted token ends the loop. Controls: three hits keep "off"; follow=0 never
+    closed: the step is recorded neither in the arm's window nor in the ledger, only plain steps count towards its
+    probe, and a step where the row gains no drafted token ends the loop. Controls: three hits keep "off"; follow=0 never
     follows; a looping row that a row which does not loop outlasts (`left`) is not followed."""
     ngram = Arm("ngram3", "ngram", 3, 1, 3)
 
@@ -997,10 +1029,10 @@ def test_a_closed_bucket_follows_a_row_that_loops_and_stays_closed():
     bandit.shadow(2, True, 10)
     assert bandit.select(2, [10, 11]) is ngram and bandit.following == {10}  # the 4th: row 10 loops
     steps, ledger, plain = len(bandit.steps[0]["ngram3"]), len(bandit.ledger[0]), bandit.closed_steps[0]
-    bandit.update(2, ngram, 5.0, 1.2, 4.0)            # the step drafted 3 tokens for row 10
+    bandit.update(2, ngram, 5.0, 1.2, 4.0, followed=True)  # the step drafted 3 tokens for row 10
     bandit.loop_drafted({10: 4})
     assert bandit.closed_buckets() == ["bs>=1"] and bandit.closed_steps[0] == plain
-    assert (len(bandit.steps[0]["ngram3"]), len(bandit.ledger[0])) == (steps + 1, ledger + 1)
+    assert (len(bandit.steps[0]["ngram3"]), len(bandit.ledger[0])) == (steps, ledger)
     assert bandit.select(2, [10, 11]) is ngram and bandit.loop_steps == 2
     assert bandit.select(2, [10, 11], left=[5, 9]) is OFF   # row 11, not looping, outlasts it
     bandit.loop_drafted({10: 1})                      # no drafted token for row 10: its loop ended

@@ -344,8 +344,8 @@ def test_ngram_index_catch_up_is_not_charged_to_the_arm(tiny_llama_dir, monkeypa
         return indexed(self, seq)
     monkeypatch.setattr(NgramDrafter, "_indexed", slow)
     charged, update = [], llm.spec.bandit.update
-    monkeypatch.setattr(llm.spec.bandit, "update", lambda bs, arm, tokens, seconds, critical: (
-        charged.append((arm.method, seconds)), update(bs, arm, tokens, seconds, critical)))
+    monkeypatch.setattr(llm.spec.bandit, "update", lambda bs, arm, tokens, seconds, critical, **kw: (
+        charged.append((arm.method, seconds)), update(bs, arm, tokens, seconds, critical, **kw)))
     llm.generate([[3, 7, 1, 3, 7, 1, 3, 7]], tlt.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     ngram = [s for method, s in charged if method == "ngram"]
     assert ngram and max(ngram) < 0.05
@@ -370,8 +370,8 @@ def test_the_batch_end_gain_is_given_to_the_bandit_only_when_no_request_waits(ti
         return done
     monkeypatch.setattr(SpecDecoder, "step", spy)
     got = []
-    monkeypatch.setattr(llm.spec.bandit, "update", lambda bs, arm, tokens, seconds, critical: (
-        got.append(critical), update(bs, arm, tokens, seconds, critical)))
+    monkeypatch.setattr(llm.spec.bandit, "update", lambda bs, arm, tokens, seconds, critical, **kw: (
+        got.append(critical), update(bs, arm, tokens, seconds, critical, **kw)))
     prompts = [[3, 7, 1, 3, 7, 1, 3, 7], [5, 2, 5, 2, 5, 2], [4, 4, 4, 4]]
     params = [tlt.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 4, 30)]
     llm.generate(prompts, params)

@@ -233,6 +233,7 @@ class SpecDecoder:
         # where none waits, the rows may follow a loop (StrategyBandit.select); none loop most of the time
         rows = None if waiting or not self.bandit.streak else [s.seq_id for s in seqs]
         arm = self.bandit.select(len(seqs), rows, rows and [s.max_total_len - s.num_tokens for s in seqs])
+        followed = self.bandit.following is not None  # run because a row loops: the bandit does not record it
         # an SD step's worth with no request waiting: how much nearer it brings the batch's end (a plain step's: 1);
         # also a step run because a row loops (docs/design.md §6: valued by the looping rows instead, such steps lost
         # time on an AVX2 CPU and kept running)
@@ -280,7 +281,7 @@ class SpecDecoder:
                 if arm.method in DRAFTER_METHODS:
                     self.st["drafter_step_time_s"] += seconds
                     self.st["drafter_plain_equiv_s"] += plain
-            self.bandit.update(len(seqs), arm, emitted, seconds, critical)
+            self.bandit.update(len(seqs), arm, emitted, seconds, critical, followed=followed)
         return done
 
     def _ask_ngram(self, seqs: list[Sequence], waiting: bool) -> tuple[bool, list[tuple[int, list[int]]]] | None:
