@@ -971,6 +971,34 @@ def test_an_open_bucket_runs_its_n_gram_arm_while_a_row_loops():
     assert bandit.closed_buckets() == ["bs>=1"] and not bandit.watching(1) and bandit.shadowing(1)
 
 
+def test_a_new_batch_cuts_the_n_gram_arms_record_to_its_last_steps():
+    """The n-gram arm ran 30 steps at 1.25x of plain decoding's worth on one batch's text. On the next batch it is
+    worth 0.875x: after `new_batch` its window keeps its last `min_samples` (5) steps, so greedy choice goes back to
+    "off" after 6 of them; the drafter's arm keeps its record (a drafter's worth does not depend on the batch).
+    Control: without `new_batch`, the old record holds the n-gram arm for 36 of the next 50 steps."""
+    ngram = Arm("ngram3", "ngram", 3, 1, 3)
+
+    def losing_steps(new_batch):
+        bandit = _one_bucket([OFF, ngram, CHAIN], epsilon=0.0, close=False)
+        for _ in range(30):
+            bandit.update(10, OFF, 10.0, 1.0)
+            bandit.update(10, ngram, 12.5, 1.0)        # 1.25x
+            bandit.update(10, CHAIN, 10.0, 1.2)        # 0.83x
+        if new_batch:
+            bandit.new_batch()
+            assert (len(bandit.steps[0]["ngram3"]), len(bandit.steps[0][CHAIN.name])) == (5, 30)
+        chosen = []
+        for _ in range(50):
+            arm = bandit.select(10)
+            chosen.append(arm.name)
+            bandit.update(10, arm, 10.5 if arm is ngram else 10.0, 1.0 if arm is OFF else 1.2)  # n-gram 0.875x
+        return chosen
+
+    assert losing_steps(new_batch=True) == ["ngram3"] * 6 + ["off"] * 44
+    chosen = losing_steps(new_batch=False)
+    assert chosen.count("ngram3") == 36 and chosen[32] == "off"  # "off" once to refresh its price (`refresh`)
+
+
 def test_steps_run_for_a_loop_do_not_make_the_arm_the_greedy_choice_after_it():
     """The n-gram arm's own steps ran at 0.89x of plain decoding's worth, so "off" is the greedy choice. A row
     then loops, and ten steps run for it pay 3x. Once the loop ends, "off" is still the greedy choice: the followed steps

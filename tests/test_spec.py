@@ -352,6 +352,22 @@ def test_ngram_index_catch_up_is_not_charged_to_the_arm(tiny_llama_dir, monkeypa
     assert llm.spec.ngram.index_time_s >= 0.05 * len(ngram)  # every step caught up on the tokens it added
 
 
+def test_the_bandit_hears_of_a_new_batch_once_a_rollout(tiny_llama_dir, monkeypatch):
+    """`StrategyBandit.new_batch` runs when requests arrive at an idle engine: once for a `generate` of several
+    prompts, again for the next one, not for a request added while others run."""
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=2, speculative_config=NGRAM)
+    calls = []
+    monkeypatch.setattr(llm.spec.bandit, "new_batch", lambda: calls.append(llm.engine.has_unfinished()))
+    params = tlt.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    llm.generate([[3, 7, 1, 3], [5, 2, 5, 2], [4, 4, 4, 4]], params)
+    assert calls == [False]
+    llm.generate([[3, 7, 1, 3]], params)
+    assert calls == [False, False]
+    llm.engine.add_request([5, 2, 5, 2], params)
+    llm.engine.add_request([4, 4, 4, 4], params)  # the engine is busy: the same batch
+    assert calls == [False, False, False]
+
+
 def test_the_batch_end_gain_is_given_to_the_bandit_only_when_no_request_waits(tiny_llama_dir, monkeypatch):
     """Three requests, two slots: while the third waits, steps are valued by all their tokens (critical None); once
     it runs, by how many tokens nearer the furthest row's end the step came (a row with 30 left, beside rows with 6

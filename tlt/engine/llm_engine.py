@@ -87,6 +87,8 @@ class LLMEngine:
         if self.asleep:
             raise RuntimeError("the engine is asleep (its KV cache was freed for the trainer): call wake() first")
         self.check_request(prompt_ids, params)
+        if self.spec is not None and not self.has_unfinished():
+            self.spec.on_new_batch()  # the engine was idle: a new batch (the next rollout) begins
         request_id = next(self._ids)
         group_id = request_id if group_id is None else group_id
         seqs = []

@@ -127,13 +127,17 @@ Where this departs from the paper's BEG-MAB (median per-step reward, uniform exp
   at bs 10 costs about one at bs 1) a default run's fourth rollout followed 26 steps of rows that others outlasted,
   and SD off's batch, which ended with 8 or more rows running, became a tail at bs 1-4: 21.1 s of decoding against
   18.0 s.
+- What the n-gram arm is worth depends on the text: a new batch (`new_batch`, called when requests arrive at an idle
+  engine: the next rollout) cuts its windows to their last `min_samples` steps, as a new drafter does the drafter's
+  arms' (`forget`), so its estimate follows the new text within a few steps. In a default run on an AVX2 CPU the
+  fourth rollout began at bs 19-20 with ngram3's window holding the third's 22 steps at 1.27x plain decoding's worth
+  and chose it greedily 16 steps in a row, no row looping, 15 of them slower than the plain decoding of their tokens
+  (1.08-1.48x), before its estimate fell under "off"'s; SD off's batch ran to the limit together there, and SD's left
+  a tail at bs <= 4 (docs/design.md §6).
 - A followed step is recorded nowhere: not in the n-gram arm's window, not in the ledger. Those value choosing an
   arm on its record, where no row is known to loop; a loop's steps say what the arm is worth in a loop, and following
   acts on that already. Recorded, they raised the arm's estimate, and it went on being chosen after the loops ended:
-  in a default run on an AVX2 CPU, nine followed steps (together 1.63x plain decoding's worth) lifted ngram3's
-  estimate at bs 5-20 from 1.01 (its other steps) to 1.27 by the end of the third rollout, and the fourth began with
-  16 greedy n-gram steps at bs 19-20, no row looping, 15 of them slower than the plain decoding of their tokens
-  (1.08-1.48x); SD off's batch ran to the limit together there, and SD's left a tail at bs <= 4 (docs/design.md §6).
+  of the 22 steps above, nine were followed (together 1.63x plain decoding's worth); its other 13 made 1.01x.
 """
 from __future__ import annotations
 
@@ -664,6 +668,14 @@ class StrategyBandit:
                     continue
             # retired arms come back to a fresh trial: their windows hold the weights they retired on
             self._reopen(b, methods, 0 if retired else keep)
+
+    def new_batch(self) -> None:
+        """A new batch of requests (the next rollout): the model-free arms' windows keep their last `min_samples`
+        steps, since what they are worth depends on the text (module doc)."""
+        for b, bucket in enumerate(self.arms):
+            for a in bucket:
+                if a.method in MODEL_FREE_METHODS:
+                    self.steps[b][a.name].keep_last(self.min_samples, self._prices[b])
 
     def _probe_wait(self, b: int) -> float:
         """The plain seconds closed bucket b decodes before it probes: `probe_after`, times max(1 - h, 1/8) at the

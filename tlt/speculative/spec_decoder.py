@@ -155,6 +155,10 @@ class SpecDecoder:
     def on_add(self, seq: Sequence) -> None:
         self.ngram.register(seq.seq_id, seq.group_id, tuple(seq.prompt_ids), seq.prompt_ids)
 
+    def on_new_batch(self) -> None:
+        """Requests arrived at an idle engine (the next rollout): the n-gram arms' records are mostly of other text."""
+        self.bandit.new_batch()
+
     def on_prefill(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         if self.drafter is None:
             return
