@@ -57,8 +57,8 @@ class SpecConfig:
               "token of up to 4 rows a step (in turn), has guessed its next token this many times in a row; while a "
               "row of the batch loops, its batch-size bucket, open or closed, runs its n-gram arm whatever the arm's "
               "average says, until a step where that row gains no drafted token, a guess about it misses or it "
-              "finishes. 0 = off; null = 4 with the cpu profile, off with the gpu one (its cost on a GPU is "
-              "unmeasured; docs/design.md §6)", ge=0)
+              "finishes; those steps do not count in the arm's average. 0 = off; null = 4 with the cpu profile, off "
+              "with the gpu one (its cost on a GPU is unmeasured; docs/design.md §6)", ge=0)
     acceptance: Literal["invariant", "rejection"] = option(
         "invariant", "invariant = deterministic drafts, the target's own draw accepted when a draft holds it (a "
                      "seeded request samples the same tokens with SD on or off); rejection = chain drafts sampled "
