@@ -1001,8 +1001,8 @@ def test_a_new_batch_cuts_the_n_gram_arms_record_to_its_last_steps():
 
 def test_steps_run_for_a_loop_do_not_make_the_arm_the_greedy_choice_after_it():
     """The n-gram arm's own steps ran at 0.89x of plain decoding's worth, so "off" is the greedy choice. A row
-    then loops, and ten steps run for it pay 3x. Once the loop ends, "off" is still the greedy choice: the followed steps
-    are recorded neither in the arm's window nor in the ledger (they say what the arm is worth in a loop, which
+    then loops, and ten steps run for it pay 3x. Once the loop ends, "off" is still the greedy choice: the followed
+    steps are recorded neither in the arm's window nor in the ledger (they say what the arm is worth in a loop, which
     following acts on, not what choosing it on its record brings). Control: the same ten steps recorded as the arm's
     own make it the greedy choice, and it keeps being chosen with no row looping."""
     ngram = Arm("ngram3", "ngram", 3, 1, 3)
@@ -1031,13 +1031,29 @@ def test_steps_run_for_a_loop_do_not_make_the_arm_the_greedy_choice_after_it():
     assert [bandit.select(2, [11, 12]) for _ in range(5)] == [ngram] * 5 and bandit.following is None
 
 
+def test_steps_run_for_a_loop_count_towards_the_retired_drafter_arms_probe():
+    """A followed step is recorded nowhere (not in the n-gram arm's window), but it is decoding time in its bucket all
+    the same: it counts towards the retired drafter arms' own probe (1 / probe times the seconds they lost)."""
+    ngram = Arm("ngram3", "ngram", 3, 1, 3)
+    bandit = _one_bucket([OFF, ngram, CHAIN], epsilon=0.0, min_samples=1, probe=0.01)
+    bandit.update(1, OFF, 1.0, 1.0)
+    bandit.update(1, ngram, 3.0, 1.0)  # 3x
+    bandit.update(1, CHAIN, 1.0, 2.0)  # 0.5x: the drafter's arm retires where the n-gram arm pays
+    assert bandit.retired == [True] and not bandit.closed[0]
+    steps, seconds, window = bandit.retired_steps[0], bandit.retired_s[0], len(bandit.steps[0]["ngram3"])
+    for _ in range(3):
+        bandit.update(1, ngram, 4.0, 0.5, followed=True)
+    assert (bandit.retired_steps[0], bandit.retired_s[0]) == (steps + 3, seconds + 1.5)
+    assert len(bandit.steps[0]["ngram3"]) == window
+
+
 def test_a_closed_bucket_follows_a_row_that_loops_and_stays_closed():
     """The n-gram arm lost here (0.62 of a plain step's worth) while no row looped, and the bucket closed. A row that
     loops later is followed there too: the closed bucket's shadow guesses (`shadow`, with the row's key) count its
     hits in a row, and at `follow` (4) the bucket runs its n-gram arm for that row, whatever its window says. It stays
     closed: the step is recorded neither in the arm's window nor in the ledger, only plain steps count towards its
-    probe, and a step where the row gains no drafted token ends the loop. Controls: three hits keep "off"; follow=0 never
-    follows; a looping row that a row which does not loop outlasts (`left`) is not followed."""
+    probe, and a step where the row gains no drafted token ends the loop. Controls: three hits keep "off"; follow=0
+    never follows; a looping row that a row which does not loop outlasts (`left`) is not followed."""
     ngram = Arm("ngram3", "ngram", 3, 1, 3)
 
     def closed(follow=4):

@@ -552,8 +552,9 @@ def test_an_open_bucket_asks_the_n_gram_drafter_about_each_row_and_follows_its_l
 def test_a_step_run_for_the_looping_rows_drafts_for_those_rows_only(sharp_llama):
     """A step the bandit runs because rows loop (StrategyBandit.following: their keys) asks the n-gram drafter about
     those rows only, and tells the loop counts (`loop_drafted`) of those rows only (another row gains one token,
-    which says nothing of its loop); the outputs are plain decoding's. Control: a step chosen for the arm's own sake
-    (following None) drafts for, and tells of, every row."""
+    which says nothing of its loop); the outputs are plain decoding's, and the bandit is told the step was followed
+    (it records none such). Control: a step chosen for the arm's own sake (following None) drafts for, and tells of,
+    every row, and is recorded."""
     from tlt.speculative.bandit import Arm
     model, drafter_dir = sharp_llama
     prompts = [[5, 2, 5, 2, 5, 2], [3, 7, 1, 3, 7, 1, 3, 7]]
@@ -572,12 +573,14 @@ def test_a_step_run_for_the_looping_rows_drafts_for_those_rows_only(sharp_llama)
             chosen.append(spec.bandit.following)
             lefts.append(left)
             return arm
-        lefts = []
+        lefts, followed, update = [], [], spec.bandit.update
         spec.bandit.select = select
+        spec.bandit.update = lambda *a, **kw: followed.append(kw.get("followed")) or update(*a, **kw)
         propose = spec.ngram.propose
         spec.ngram.propose = lambda seq_id, k=None: asked.append((len(chosen), seq_id)) or propose(seq_id, k)
         outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert lefts[0] == [23, 23]  # each row's tokens left to max_tokens (the prefill gave it one)
+        assert followed == [loops] * len(chosen)  # every step told the bandit whether it was followed
         return outputs, asked, chosen, told
 
     outputs, asked, chosen, told = run(loops=True)

@@ -132,8 +132,9 @@ class LLMEngine:
 
     # ---- the decode-step interface a speculator drives ------------------------------------------------------
     # A speculator (tlt.speculative.SpecDecoder) takes over decode steps through these methods only: it is told of
-    # requests, prefills, plain steps and finished sequences (on_add, on_prefill, on_plain_decode, on_tokens,
-    # on_finish), decides per step whether it runs it (wants_step, step), and runs a step with the calls below.
+    # requests, a new batch, prefills, plain steps and finished sequences (on_add, on_new_batch, on_prefill,
+    # on_plain_decode, on_tokens, on_finish), decides per step whether it runs it (wants_step, step), and runs a step
+    # with the calls below.
     def attach_speculator(self, spec, slot_caches: tuple[KVCache, ...] = (), headroom: int = 0) -> None:
         """Let `spec` take over decode steps; `slot_caches` (the drafter's KV cache) are slot-indexed like the
         target's and move with their rows when the scheduler compacts the batch; `headroom`: positions past a

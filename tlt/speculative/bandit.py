@@ -449,7 +449,10 @@ class StrategyBandit:
         An SD step before any "off" step of its bucket is not recorded (nothing to measure it against yet)."""
         b = self.bucket(batch_size)
         off = self.off[b]
-        if followed or (arm.method != "off" and off is not None and not self.steps[b][off.name]):
+        if followed:  # recorded nowhere, but decoding time in the bucket all the same
+            self._count_retired(b, float(seconds))
+            return
+        if arm.method != "off" and off is not None and not self.steps[b][off.name]:
             return
         key = (batch_size, critical is not None)
         critical = 0.0 if critical is None else float(critical)
@@ -474,16 +477,24 @@ class StrategyBandit:
                     self.probes += 1
                     self._reopen(b, self._probed_methods(b), keep=0, probe=True)
                     return
-        if self.retired[b]:
-            self.retired_steps[b] += 1
-            self.retired_s[b] += float(seconds)
-            if (self.retired_steps[b] >= SHADOW
-                    and self.retired_s[b] >= self.retired_probe_after[b] * self._backed_off(self.retired_misses[b])):
-                self.probes += 1
-                self._reopen(b, DRAFTER_METHODS, keep=0, probe=True)
-                return
+        if self._count_retired(b, float(seconds)):
+            return
         self._update_closed(b)
         self._update_retired(b)
+
+    def _count_retired(self, b: int, seconds: float) -> bool:
+        """Count a step decoded in bucket b towards its retired drafter arms' own probe; True where the probe starts
+        (they reopen, `_reopen`)."""
+        if not self.retired[b]:
+            return False
+        self.retired_steps[b] += 1
+        self.retired_s[b] += seconds
+        if (self.retired_steps[b] >= SHADOW
+                and self.retired_s[b] >= self.retired_probe_after[b] * self._backed_off(self.retired_misses[b])):
+            self.probes += 1
+            self._reopen(b, DRAFTER_METHODS, keep=0, probe=True)
+            return True
+        return False
 
     def charge(self, batch_size: int, seconds: float) -> None:
         """Book `seconds` spent at `batch_size` on the machinery SD needs on every step (keeping the target's

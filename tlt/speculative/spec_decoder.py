@@ -239,8 +239,8 @@ class SpecDecoder:
         arm = self.bandit.select(len(seqs), rows, rows and [s.max_total_len - s.num_tokens for s in seqs])
         followed = self.bandit.following is not None  # run because a row loops: the bandit does not record it
         # an SD step's worth with no request waiting: how much nearer it brings the batch's end (a plain step's: 1);
-        # also a step run because a row loops (docs/design.md §6: valued by the looping rows instead, such steps lost
-        # time on an AVX2 CPU and kept running)
+        # a step run because a row loops too, in the rollout's accounting (docs/design.md §6: valued by the looping
+        # rows instead, such steps looked paid where they lost time on an AVX2 CPU)
         critical = None if arm.method == "off" or waiting else _rows_left(seqs)
         # an n-gram step tells whether the rows that loop still do (also where a request waits)
         before = [len(s.output_ids) for s in seqs] if arm.method == "ngram" and self.bandit.streak else None
