@@ -243,7 +243,7 @@ def test_bandit_skips_steps_that_captured_a_graph(tiny_llama_dir, cpu_drafter, m
     llm.engine.runner.graphs = GraphedForward(llm.engine.model, llm.engine.kv, capture=True)
     spec = SpecDecoder(llm.engine, SpecConfig(method="eagle", bs_threshold=None), cpu_drafter)
     update, step = spec.bandit.update, spec.step
-    monkeypatch.setattr(spec.bandit, "update", lambda *a: (events.append("update"), update(*a)))
+    monkeypatch.setattr(spec.bandit, "update", lambda *a, **kw: (events.append("update"), update(*a, **kw)))
     monkeypatch.setattr(spec, "step", lambda seqs: (events.append("step"), step(seqs))[1])
     prompts, kinds = _requests(seed=2)
     _generate(llm, prompts, kinds, temperature=0.0)

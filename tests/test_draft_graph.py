@@ -252,7 +252,7 @@ def test_drafter_captures_count_for_the_bandit(tiny_llama_dir, trained, monkeypa
     llm, spec = _llm(tiny_llama_dir, trained, CHAIN, static=True, pool=GraphPool())
     events = []
     update, step = spec.bandit.update, spec.step
-    monkeypatch.setattr(spec.bandit, "update", lambda *a: (events.append("update"), update(*a)))
+    monkeypatch.setattr(spec.bandit, "update", lambda *a, **kw: (events.append("update"), update(*a, **kw)))
 
     def counted_step(seqs):
         before = llm.engine.num_graph_captures
