@@ -144,6 +144,29 @@ def test_bench_spec_rows_say_where_the_time_went(tiny_llama_dir):
     assert by["ngram"]["ci_low"] <= by["ngram"]["speedup"] <= by["ngram"]["ci_high"]
 
 
+def test_bench_spec_rounds_walk_the_prompt_pool(tiny_llama_dir, monkeypatch):
+    """Round j (0: the warm-up) decodes the pool's next bs prompts, wrapping, and every strategy decodes the same
+    batch in a round (its ratios pair like with like); the pairs returned are the last round's. Decoding
+    prompts[:bs] every round would give a bs-1 verdict on one prompt."""
+    import tlt
+    from tlt.bench.spec import run_ours, strategies
+    seen: list[tuple[str, list[list[int]]]] = []
+    generate = tlt.LLM.generate
+
+    def spy(self, prompts, params):
+        seen.append(("plain" if self.spec is None else "ngram", [list(p) for p in prompts]))
+        return generate(self, prompts, params)
+    monkeypatch.setattr(tlt.LLM, "generate", spy)
+    pool = [[5, 6, 7, 8], [9, 10, 11], [12, 13], [14, 15, 16]]
+    _, pairs = run_ours(str(tiny_llama_dir), None, pool, 1, strategies(None, 3, wanted=["ngram"]), 8, 4, 0)
+    by = {k: [b for name, b in seen if name == k] for k in ("plain", "ngram")}
+    assert by["plain"] == by["ngram"] == [[pool[j % 4]] for j in range(5)]  # warm-up + 4 rounds, wrapping
+    assert [p for p, _ in pairs] == [pool[0]]
+    seen.clear()
+    run_ours(str(tiny_llama_dir), None, pool, 3, strategies(None, 3, wanted=["ngram"]), 8, 1, 0)
+    assert [b for name, b in seen if name == "plain"] == [pool[:3], [pool[3], pool[0], pool[1]]]
+
+
 def test_interleaved_times_rotates_the_order():
     """Every configuration runs in every slot of a round equally often (a fixed order would always time the first
     one right after the previous round's last), and each gets one untimed warm-up call."""

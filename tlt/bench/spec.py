@@ -1,21 +1,22 @@
 """Speculative-decoding benchmark: SD vs our plain decoding per strategy and batch size (temperature 1 unless told).
 
     tlt bench spec [--drafter DIR] [--batch-sizes 1,2,4,8,16,32] [--max-tokens 128] [--repeats 3] [--quick]
-                   [--temperature 1.0] [--stop-at-eos] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16]
-                   [--sd-eager-too]
+                   [--prompts 64] [--temperature 1.0] [--stop-at-eos] [--device auto|cpu|cuda]
+                   [--dtype auto|float32|bfloat16] [--sd-eager-too]
                    [--strategies ngram,eagle_chain,eagle_tree,adaptive,plain_control]
 
 Strategies: each fixed arm (EAGLE chain, EAGLE tree, n-gram) and the adaptive policy (bandit over the arm table,
-SD gated by batch size). Prompts are the default task's chat prompts; every configuration samples with the same
-seeds. Every row decodes --max-tokens tokens, past its EOS, so a batch size's cost holds through a round;
-`--stop-at-eos` ends rows at EOS as rollouts do (the tokens past EOS are text no drafter was trained on, so SD
-accepts less there). Also, at batch size 1, transformers' assisted generation (a 4-layer truncation of the target
-as the assistant: SmolLM2-135M is the smallest of its family) and prompt-lookup decoding, against transformers'
-plain `generate`. Configurations run round-robin, the order rotated every round; each speedup is the median over
-rounds of plain's time over the strategy's, with a distribution-free ~95% interval for that median (`ci`: where it
-excludes 1.00 the difference is more than the machine's noise; `plain_control`, a second plain engine, shows that
-noise directly). Prints a table, a verdict on the adaptive policy's goal (never below 0.98x plain) and a final
-JSON line.
+SD gated by batch size). Prompts are the default task's chat prompts, a pool of --prompts: each round decodes the
+next bs of them (the same batch for every configuration), so a small batch's median covers many prompts; every
+configuration samples with the same seeds. Every row decodes --max-tokens tokens, past its EOS, so a batch size's
+cost holds through a round; `--stop-at-eos` ends rows at EOS as rollouts do (the tokens past EOS are text no drafter
+was trained on, so SD accepts less there). Also, at batch size 1, transformers' assisted generation (a 4-layer
+truncation of the target as the assistant: SmolLM2-135M is the smallest of its family) and prompt-lookup decoding,
+against transformers' plain `generate`. Configurations run round-robin, the order rotated every round; each speedup
+is the median over rounds of plain's time over the strategy's, with a distribution-free ~95% interval for that
+median (`ci`: where it excludes 1.00 the difference is more than the machine's noise; `plain_control`, a second plain
+engine, shows that noise directly). Prints a table, a verdict on the adaptive policy's goal (never below 0.98x
+plain) and a final JSON line.
 """
 from __future__ import annotations
 
@@ -62,11 +63,13 @@ def _strategies(drafter: str | None, depth: int) -> dict[str, dict | None]:
 def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens, repeats, seed, temperature=1.0,
              stop_at_eos: bool = False):
     """All strategies at one batch size, timed interleaved; speedup = median over rounds of plain / strategy.
-    Every row decodes max_tokens, past its EOS (the batch size holds), unless `stop_at_eos`: then a row ends at its
-    EOS as in a rollout, and the batch shrinks as rows end. Returns the rows and plain decoding's (prompt, response)
-    pairs."""
+    Round j (0: the warm-up) decodes the next bs prompts of `prompts` (wrapping), the same batch for every strategy,
+    so the ratios pair like with like while a small batch's median covers many prompts, not the one or two
+    `prompts[:bs]` would be. Every row decodes max_tokens, past its EOS (the batch size holds), unless
+    `stop_at_eos`: then a row ends at its EOS as in a rollout, and the batch shrinks as rows end. Returns the rows
+    and plain decoding's (prompt, response) pairs of the last round."""
     params = tlt.SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=not stop_at_eos)
-    batch = prompts[:bs]
+    batches = [[prompts[(j * bs + i) % len(prompts)] for i in range(bs)] for j in range(repeats + 1)]
     llms = {name: tlt.LLM(model, tokenizer=tok, max_num_seqs=max(bs, 1), speculative_config=spec)
             for name, spec in specs.items()}
     for name, llm in llms.items():
@@ -76,29 +79,32 @@ def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens,
     # CUDA graphs captured in each round (the first is the warm-up), and the seconds it took
     captures = {name: [] for name in llms}
     capture_s = {name: [] for name in llms}
+    tokens = {name: [] for name in llms}  # tokens decoded in each round, the warm-up's first
 
     def runner(name, llm):
         def go():
+            batch = batches[len(tokens[name])]
             if llm.spec is not None:
                 llm.spec.reset_stats()
-                # every round decodes the same seeded requests: the n-gram drafter's history of earlier responses
-                # to these prompts would hold the very responses it is about to draft
+                # a round may decode seeded requests an earlier one did (the pool wraps): the n-gram drafter's
+                # history of earlier responses to these prompts would hold the very responses it is about to draft
                 llm.spec.ngram.clear_history()
             before, before_s = llm.engine.num_graph_captures, llm.engine.graph_capture_time_s
             out = llm.generate(batch, params)
             captures[name].append(llm.engine.num_graph_captures - before)
             capture_s[name].append(llm.engine.graph_capture_time_s - before_s)
+            tokens[name].append(sum(len(o.outputs[0].token_ids) for o in out))
             return out
         return go
     timed = interleaved_times({name: runner(name, llm) for name, llm in llms.items()}, repeats)
     ratios = {name: paired_ratios(timed["plain"]["times"], t["times"]) for name, t in timed.items()}
     rows = []
     for name, t in timed.items():
-        tokens = sum(len(o.outputs[0].token_ids) for o in t["result"])
         stats = llms[name].stats()
         # SD steps are timed against plain decoding only where the bandit also decodes plainly (adaptive)
         priced = specs[name] is not None and specs[name].get("adaptive", True)
-        rows.append({"strategy": name, "bs": bs, "tok_s": tokens / t["median"], "time_s": t["median"],
+        tok_s = statistics.median(n / dt for n, dt in zip(tokens[name][1:], t["times"]))
+        rows.append({"strategy": name, "bs": bs, "tok_s": tok_s, "time_s": t["median"],
                      "speedup": statistics.median(ratios[name]), **_ci(ratios[name]),
                      "spread": f"{t['min']:.2f}-{t['max']:.2f}", "accept_len": stats.get("spec_accept_length"),
                      "sd_on": stats.get("spec_on_fraction"), "captures": sum(captures[name][1:]),
@@ -107,7 +113,7 @@ def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens,
                      # tokens less those (the bandit's prices; negative: SD steps cost time)
                      "sd_s": stats.get("spec_step_time_s") if priced else None,
                      "sd_saved_s": stats.get("spec_net_saved_s") if priced else None})
-    return rows, [(p, o.outputs[0].token_ids) for p, o in zip(batch, timed["plain"]["result"])]
+    return rows, [(p, o.outputs[0].token_ids) for p, o in zip(batches[-1], timed["plain"]["result"])]
 
 
 def _ci(ratios: list[float]) -> dict:
@@ -144,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                          "a round starts with); default: every row decodes --max-tokens, past its EOS, so the batch "
                          "size holds, and the tokens past EOS are text the drafter was not trained on")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=64,
+                    help="prompt pool: each round at a batch size decodes the next bs prompts of it, wrapping (at "
+                         "least the largest batch size is drawn)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     ap.add_argument("--seed", type=int, default=0)
@@ -160,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.batch_sizes, a.max_tokens, a.repeats, a.skip_hf = "1,2", 16, 1, True
+    if a.prompts < 1:
+        ap.error(f"--prompts {a.prompts}: must be >= 1")
     if not a.temperature > 0:
         ap.error(f"--temperature {a.temperature}: must be > 0 (the benchmark samples, and the oracle "
                  "bound divides the logits by it)")
@@ -185,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             from tlt.drafter_train.offline import default_drafter_path
             drafter = str(default_drafter_path(model_dir))
     sizes = [int(x) for x in a.batch_sizes.split(",")]
-    prompts = default_task_prompt_ids(tok, max(sizes), seed=a.seed + 1000, task=a.task)
+    prompts = default_task_prompt_ids(tok, max(max(sizes), a.prompts), seed=a.seed + 1000, task=a.task)
     rows, results, pairs = [], {}, []
     for bs in sizes:
         bs_rows, bs_pairs = run_ours(model, tok, prompts, bs, strategies(drafter, a.depth, a.sd_eager_too, wanted),
@@ -200,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                     "accept_len", "sd_on", "captures", "capture_s",
                                                                     "sd_s", "sd_saved_s")}
     eos = "rows stop at EOS" if a.stop_at_eos else "every row decodes them, past EOS"
-    print(f"model={model_dir} dtype={dtype} max_tokens={a.max_tokens} ({eos}) temperature={a.temperature} "
+    print(f"model={model_dir} dtype={dtype} max_tokens={a.max_tokens} ({eos}) prompts={len(prompts)} (each round "
+          f"the next bs) temperature={a.temperature} "
           f"repeats={a.repeats} interleaved (median; speedup = median over rounds of plain/strategy time) "
           f"threads={torch.get_num_threads()}")
     print_table(rows, ["bs", "strategy", "tok_s", "speedup", "ci", "accept_len", "sd_on", "spread", "captures",
@@ -225,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table([{"strategy": k, **v} for k, v in hf.items()], ["strategy", "tok_s", "spread"])
         results.update({f"bs1/{k}": v["tok_s"] for k, v in hf.items()})
     print_json_line("spec", {"model": model_dir, "dtype": str(dtype), "max_tokens": a.max_tokens,
-                              "stop_at_eos": a.stop_at_eos,
+                              "stop_at_eos": a.stop_at_eos, "prompts": len(prompts),
                               "temperature": a.temperature, "results": results})
     return 0
 
