@@ -729,6 +729,34 @@ def test_a_row_that_loops_in_a_closed_bucket_brings_its_probe_to_the_floor():
     assert steps_to_probe(follow=4, miss_at=15) == 27
 
 
+def test_a_probe_at_repeating_text_that_found_nothing_backs_the_next_one_off():
+    """A row loops in a closed bucket (its every n-gram guess holds: the shadow's hit rate is 1 too) where SD lost
+    0.3 s at probe 0.05: the wait is its floor, 6 s / 8, and the first probe comes at the 16 steps it must ask. That
+    probe finds n-gram drafts still losing (as past EOS, where rows repeat a few tokens that 3-token drafts do not
+    follow), so the repetition is no longer news: the next probes wait 2x and 4x the floor (22 and 43 plain steps of
+    0.07 s). Control: a probe that found nothing where the text did not repeat leaves a loop news (the test above);
+    the old rule, no back-off while the text repeats, probed at every 16th step, each probe losing what the last
+    did. A probe where SD pays starts the waits again."""
+    ngram = Arm("ngram3", "ngram", 3, 1, 3)
+    bandit = _one_bucket([OFF, ngram], epsilon=0.0, min_samples=1, probe=0.05, backoff=4, follow=4)
+    bandit.update(3, OFF, 3.0, 0.07)
+    waits = []
+    for probe in range(4):  # the first close, then three probes at the loop that find n-gram drafts still losing
+        assert bandit.select(3) is ngram
+        bandit.update(3, ngram, 3.0, 0.37)
+        assert bandit.closed_buckets() == ["bs>=1"]
+        for n in range(1, 1000):
+            bandit.shadow(3, True, 0)  # row 0 asked, its guess held
+            bandit.update(3, OFF, 3.0, 0.07)
+            if not bandit.closed_buckets():
+                break
+        waits.append(n)
+    assert waits == [16, 22, 43, 86]
+    assert bandit.select(3) is ngram
+    bandit.update(3, ngram, 9.0, 0.1)           # this probe pays: 9 tokens at 1.4 plain steps' time
+    assert not bandit.closed_buckets() and bandit.probe_misses[0] == 0 and not bandit.repeat_missed[0]
+
+
 def test_a_new_drafter_reopens_only_the_closed_buckets_where_its_gain_could_pay():
     """forget(gain=g): a closed bucket whose best drafter arm ran at 0.6x of "off" stays closed for a 10% better
     drafter (0.66x), its arms' windows untouched; one at 0.95x reopens (1.045x beats off by min_gain 3%). Gains

@@ -334,9 +334,12 @@ class StrategyBandit:
         self.probe_after = [math.inf for _ in self.arms]
         self.probes = 0                                 # probes started, all buckets
         # per bucket: the probes in a row that found nothing (it closed again; each doubles the next wait, up to
-        # 2 ** backoff), and whether it is open for a probe not judged yet
+        # 2 ** backoff), whether it is open for a probe not judged yet, whether that probe began where the text
+        # repeated (`_repeating`), and whether one such probe among those misses found nothing
         self.probe_misses = [0 for _ in self.arms]
         self.probing = [False for _ in self.arms]
+        self.probe_repeating = [False for _ in self.arms]
+        self.repeat_missed = [False for _ in self.arms]
         # per closed bucket with an n-gram arm: whether the n-gram drafter would have proposed the token a row drew,
         # for its last SHADOW rows asked (up to four a plain step; `shadow`), which shortens the wait for a probe
         self.shadow_hits = [deque(maxlen=SHADOW) for _ in self.arms]
@@ -475,6 +478,7 @@ class StrategyBandit:
                 self.closed_plain_s[b] += float(seconds)
                 if self.closed_steps[b] >= SHADOW and self.closed_plain_s[b] >= self._probe_wait(b):
                     self.probes += 1
+                    self.probe_repeating[b] = self._repeating(b)
                     self._reopen(b, self._probed_methods(b), keep=0, probe=True)
                     return
         if self._count_retired(b, float(seconds)):
@@ -540,7 +544,7 @@ class StrategyBandit:
         best = self._best(b)
         if best.method != "off":
             if len(self.steps[b][best.name]) >= self.min_samples:  # SD pays here (not one lucky step): a probe found it
-                self.probe_misses[b], self.probing[b] = 0, False
+                self.probe_misses[b], self.probing[b], self.repeat_missed[b] = 0, False, False
                 if best.method in DRAFTER_METHODS:
                     self.retired_misses[b], self.retired_probing[b] = 0, False
             return
@@ -550,6 +554,7 @@ class StrategyBandit:
                              for a in self._active(b) if a.method != "off") and self.ledger_seconds(b) < 0
         if self.closed[b]:  # it probes again once plain decoding there took 1 / probe times what SD lost
             self.probe_misses[b] += self.probing[b]  # (times 2 for each probe in a row that found nothing)
+            self.repeat_missed[b] |= self.probing[b] and self.probe_repeating[b]
             self.probing[b] = False
             self.probe_after[b] = -self.ledger_seconds(b) / self.probe if self.probe else math.inf
             if not self.retired[b] and self.drafter_since_open[b]:
@@ -690,13 +695,19 @@ class StrategyBandit:
 
     def _probe_wait(self, b: int) -> float:
         """The plain seconds closed bucket b decodes before it probes: `probe_after`, times max(1 - h, 1/8) at the
-        n-gram shadow's hit rate h, and times 2 for each probe in a row that found nothing (up to 2 ** backoff)
-        unless h >= 1/2: the text repeating is news a probe has not seen; times 1/8 alone while a row loops."""
-        if self._loops():  # one looping row is enough for n-gram drafts to pay, however few of the rows hit
-            return self.probe_after[b] * SHADOW_FLOOR
-        h = self.shadow_rate(b)
-        misses = self.probe_misses[b] if h < 0.5 else 0
-        return self.probe_after[b] * max(1.0 - h, SHADOW_FLOOR) * self._backed_off(misses)
+        n-gram shadow's hit rate h (1/8 while a row loops: one looping row is enough for n-gram drafts to pay,
+        however few of the rows hit), and times 2 for each probe in a row that found nothing (up to 2 ** backoff),
+        unless the text repeats (`_repeating`) and no probe that began where it repeated was among those: repetition
+        is news a probe has not seen, until one has (past EOS, where rows repeat a few tokens, probes at the floor
+        came every few seconds, each losing what the last did; docs/design.md §6)."""
+        share = SHADOW_FLOOR if self._loops() else max(1.0 - self.shadow_rate(b), SHADOW_FLOOR)
+        news = self._repeating(b) and not self.repeat_missed[b]
+        return self.probe_after[b] * share * self._backed_off(0 if news else self.probe_misses[b])
+
+    def _repeating(self, b: int) -> bool:
+        """Whether the text repeats where closed bucket b decodes: a row loops, or the n-gram shadow guesses half
+        or more of the rows asked."""
+        return self._loops() or self.shadow_rate(b) >= 0.5
 
     def _loops(self) -> bool:
         """Whether a running row loops: its last `follow` n-gram guesses held."""
@@ -716,7 +727,7 @@ class StrategyBandit:
         if self.closed[b]:  # a probe of its own arms, or a new drafter (which starts the back-off again)
             self.probing[b] = probe and tuple(methods) == self._probed_methods(b)
             if not probe:
-                self.probe_misses[b] = 0
+                self.probe_misses[b], self.repeat_missed[b] = 0, False
         self.closed[b], self.closed_gain[b] = False, 1.0  # the new drafter gets its chance; the ledger restarts
         self.closed_steps[b], self.closed_plain_s[b], self.probe_after[b] = 0, 0.0, math.inf
         self.shadow_hits[b].clear()
