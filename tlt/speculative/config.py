@@ -49,7 +49,8 @@ class SpecConfig:
                                    "its bucket (and that of the learned drafter's retired arms), up to 2 ** "
                                    "probe_backoff times the wait its loss sets; a probe where SD pays or a new drafter "
                                    "that reopens the closed bucket starts it again, and while the n-gram drafter "
-                                   "guesses half or more of the rows' next tokens the wait is the first one's. 0 = "
+                                   "guesses half or more of the rows' next tokens or a row loops the wait is the "
+                                   "first one's, until a probe begun there finds nothing. 0 = "
                                    "every wait as long as the first "
                                    "(docs/design.md §6)", ge=0)
     follow_loops: int | None = option(
