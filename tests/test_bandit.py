@@ -733,8 +733,8 @@ def test_a_probe_at_repeating_text_that_found_nothing_backs_the_next_one_off():
     """A row loops in a closed bucket (its every n-gram guess holds: the shadow's hit rate is 1 too) where SD lost
     0.3 s at probe 0.05: the wait is its floor, 6 s / 8, and the first probe comes at the 16 steps it must ask. That
     probe finds n-gram drafts still losing (as past EOS, where rows repeat a few tokens that 3-token drafts do not
-    follow), so the repetition is no longer news: the next probes wait 2x and 4x the floor (22 and 43 plain steps of
-    0.07 s). Control: a probe that found nothing where the text did not repeat leaves a loop news (the test above);
+    follow), so the repetition is no longer news: the next probes wait 2x, 4x and 8x the floor (22, 43 and 86 plain
+    steps of 0.07 s). Control: a probe that found nothing where the text did not repeat leaves a loop news (the test above);
     the old rule, no back-off while the text repeats, probed at every 16th step, each probe losing what the last
     did. A probe where SD pays starts the waits again."""
     ngram = Arm("ngram3", "ngram", 3, 1, 3)

@@ -110,11 +110,12 @@ def test_bench_temperature_must_be_positive(capsys):
 
 def test_bench_spec_times_only_the_strategies_asked_for(tmp_path, capsys):
     """--strategies picks what is timed against plain decoding (always timed), plain_control (a second plain engine,
-    the machine's noise) only when named; a name it does not know, plain itself, or an EAGLE strategy without a
-    drafter is refused before any model loads."""
+    the machine's noise) only when named; a name it does not know, plain itself, an EAGLE strategy without a
+    drafter, or an empty prompt pool is refused before any model loads."""
     from tlt.bench import spec
     for bad, why in ((["--strategies", "plain"], "plain is always timed"), (["--strategies", "medusa"], "choose from"),
-                     (["--no-drafter", "--strategies", "adaptive"], "only ngram runs without a drafter")):
+                     (["--no-drafter", "--strategies", "adaptive"], "only ngram runs without a drafter"),
+                     (["--prompts", "0"], "--prompts 0: must be >= 1")):
         with pytest.raises(SystemExit) as e:
             spec.main(["--quick", "--model", str(tmp_path / "absent"), *bad])
         assert e.value.code == 2 and why in capsys.readouterr().err
