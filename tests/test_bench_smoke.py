@@ -125,16 +125,21 @@ def test_bench_spec_times_only_the_strategies_asked_for(tmp_path, capsys):
     assert list(spec.strategies(None, 4, wanted=["plain_control", "ngram"])) == ["plain", "plain_control", "ngram"]
 
 
-def test_bench_spec_rows_say_where_the_time_went(tiny_llama_dir):
+def test_bench_spec_rows_say_where_the_time_went(tiny_llama_dir, monkeypatch):
     """Each row carries the CUDA graphs captured in the timed rounds (0 on CPU); an adaptive strategy's row also
     its last round's seconds in SD steps and what they saved, which a fixed strategy (nothing plain to price its
     steps against) and plain do not have."""
+    import itertools
     import math
 
     from tlt.bench.spec import run_ours, strategies
-    # an adaptive engine that keeps exploring (a random arm every step, no bucket closed): SD and plain steps alike
+    from tlt.speculative.policy import AdaptivePolicy
+    # an adaptive engine that alternates plain and n-gram steps, whatever they cost here
+    turns = itertools.cycle([0, 1])
+    monkeypatch.setattr(AdaptivePolicy, "choose",
+                        lambda self, bs: (arms := self.bucket(bs).arms)[next(turns) % len(arms)].arm)
     specs = {**strategies(None, 3, wanted=["ngram"]),
-             "ngram_adaptive": dict(method="ngram", bs_threshold=None, epsilon=1.0, close_buckets=False)}
+             "ngram_adaptive": dict(method="ngram", bs_threshold=None)}
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     rows, _ = run_ours(str(tiny_llama_dir), None, prompts, 2, specs, 40, 1, 0)
     by = {r["strategy"]: r for r in rows}

@@ -223,7 +223,7 @@ def test_catch_up_in_passes_predicts_what_one_pass_does(tiny_llama_dir, cpu_draf
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_bandit_skips_steps_that_captured_a_graph(tiny_llama_dir, cpu_drafter, monkeypatch):
+def test_the_policy_skips_steps_that_captured_a_graph(tiny_llama_dir, cpu_drafter, monkeypatch):
     """A step that captured a graph costs many plain steps once: the adaptive policy must not learn from it (an
     "off" step timed with a capture made every SD arm look 30x faster on an H100). Captures are simulated on CPU:
     each new shape counts as one, and the step runs the static forward uncaptured."""
@@ -242,15 +242,15 @@ def test_bandit_skips_steps_that_captured_a_graph(tiny_llama_dir, cpu_drafter, m
     llm = tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=16)
     llm.engine.runner.graphs = GraphedForward(llm.engine.model, llm.engine.kv, capture=True)
     spec = SpecDecoder(llm.engine, SpecConfig(method="eagle", bs_threshold=None), cpu_drafter)
-    update, step = spec.bandit.update, spec.step
-    monkeypatch.setattr(spec.bandit, "update", lambda *a, **kw: (events.append("update"), update(*a, **kw)))
-    monkeypatch.setattr(spec, "step", lambda seqs: (events.append("step"), step(seqs))[1])
+    observe, choose = spec.policy.observe, spec.choose
+    monkeypatch.setattr(spec.policy, "observe", lambda *a: (events.append("observe"), observe(*a)))
+    monkeypatch.setattr(spec, "choose", lambda seqs: (events.append("step"), choose(seqs))[1])
     prompts, kinds = _requests(seed=2)
     _generate(llm, prompts, kinds, temperature=0.0)
     steps = " ".join(events).split("step")[1:]
     captured = ["capture" in s for s in steps]
     assert any(captured) and not all(captured)
-    assert all(("update" in s) != c for s, c in zip(steps, captured))
+    assert all(("observe" in s) != c for s, c in zip(steps, captured))
 
 
 class _ReplayingGraph:

@@ -30,8 +30,6 @@ def train(run_root: Path, cache: Path, steps: int, fault: str | None = None) -> 
                  "trainer.experiment_name=faults", "trainer.max_ckpt_to_keep=2",
                  "rollout.dtype=float32",              # the same weights whatever this CPU's bf16
                  "drafter_train.spot=false",           # sessions after the update, whatever the cores
-                 "speculative.close_buckets=false",    # the drafter's data must not follow timings either
-                 "drafter_train.backoff_max_steps=0",  # nor whether a round runs
                  "drafter_train.holdout_fraction=0"]   # every session publishes: the publish point is reached
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TLT_CACHE": str(cache), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1"}

@@ -3,16 +3,16 @@
 hidden states equal a full forward, drafter swaps mid-run."""
 import copy
 import re
-from collections import Counter
 
 import pytest
 import torch
 
 import tlt
 from tests.conftest import make_tiny_checkpoint
-from tests.spec_util import quick_drafter
+from tests.spec_util import quick_drafter, virtual_clock
 from tests.stats_util import chi_square_pvalue, exact_joint
 from tlt.device import cpu_has_avx512_bf16
+from tlt.engine.clock import VirtualClock
 from tlt.models import kernels, load_model
 from tlt.models.decoder import Decoder
 from tlt.speculative.drafter import Drafter
@@ -25,7 +25,7 @@ CHAIN = dict(method="eagle", bs_threshold=None, adaptive=False, num_speculative_
 TREE = dict(method="eagle", bs_threshold=None, adaptive=False, num_speculative_tokens=3, draft_topk=3,
             num_draft_tokens=8)
 NGRAM = dict(method="ngram", bs_threshold=None, adaptive=False, num_speculative_tokens=4)
-ADAPTIVE = dict(method="eagle", bs_threshold=2, hysteresis_steps=2, epsilon=0.3)
+ADAPTIVE = dict(method="eagle", bs_threshold=2)
 REJECTION = dict(CHAIN, acceptance="rejection")  # sampled chain drafts, Leviathan/Chen rejection sampling
 CHAIN1 = dict(CHAIN, num_speculative_tokens=1)  # one draft token a step (the CPU arm table's first)
 
@@ -59,11 +59,9 @@ def test_greedy_identical_with_sd_trained_drafter(sharp_llama, spec):
     assert stats["num_spec_steps"] > 0
     if spec is not ADAPTIVE:
         assert stats["spec_accept_length"] > 1.05, "drafts are never accepted: the accept path went untested"
-    else:
-        assert 0 < stats["spec_on_fraction"] <= stats["spec_gate_open_fraction"] < 1
-        # steps the bandit spent on plain decoding with the gate open are not counted as speculation
-        plain_arm = sum(n for k, n in stats["spec_arm_counts"].items() if k.endswith(":off"))
-        assert (stats["spec_on_fraction"] < stats["spec_gate_open_fraction"]) == (plain_arm > 0)
+    else:  # plain steps below the gate and above it are decode steps, not speculation
+        sd = sum(n for k, n in stats["spec_arm_counts"].items() if not k.endswith(":off"))
+        assert 0 < stats["spec_on_fraction"] == sd / stats["num_decode_steps"] < 1
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
@@ -105,13 +103,11 @@ def test_seeded_sampling_identical_with_sd_on_or_off(sharp_llama, spec, dtype):
     raw = dict(spec, model=drafter_dir) if spec["method"] == "eagle" else spec
     cfg = SpecConfig.from_dict(raw)
 
-    def run(rule=None):
-        llm = tlt.LLM(model, max_num_seqs=3, speculative_config=None if rule is None else raw)
+    def run(rule=None):  # timed as on a GPU, where SD pays: the adaptive policy runs SD arms, deterministically
+        llm = tlt.LLM(model, max_num_seqs=3, speculative_config=None if rule is None else raw, clock=virtual_clock())
         if rule is not None:
             llm.spec = SpecDecoder(llm.engine, cfg, load_drafter(drafter_dir) if cfg.method == "eagle" else None,
                                    verify_fn=rule)
-            if cfg.adaptive:  # this test is about what each arm samples, not about the bandit's timings: keep every
-                llm.spec.bandit.far, llm.spec.bandit.min_samples = 0.0, 10**9  # arm explorable on this tiny model
         outs = llm.generate(prompts, params)
         return [(c.token_ids, c.logprobs) for o in outs for c in o.outputs], llm.stats()
 
@@ -256,13 +252,13 @@ def test_spec_config_errors(tiny_llama_dir):
     with pytest.raises(ValueError, match=re.escape('expected "eagle" | "ngram"')):
         SpecConfig.from_dict({"method": "medusa"})
     with pytest.raises(ValueError, match="out of range"):
-        SpecConfig.from_dict({"method": "ngram", "epsilon": 1.5})
-    with pytest.raises(ValueError, match="ngram_min_n=5 must be <="):
-        SpecConfig.from_dict({"method": "ngram", "ngram_min_n": 5})
+        SpecConfig.from_dict({"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="model is a drafter path"):
+        SpecConfig.from_dict({"method": "ngram", "model": "d"})
 
 
 @pytest.mark.parametrize("key,value,message", [("method", "medusa", 'expected "eagle" | "ngram"'),
-                                               ("epsilon", 1.5, "out of range"),
+                                               ("num_speculative_tokens", 0, "out of range"),
                                                ("bs_threshold", 0, "out of range"),
                                                ("acceptance", "greedy", 'expected "invariant" | "rejection"')])
 def test_spec_config_is_checked_alike_in_a_run_config_and_in_tlt_llm(key, value, message):
@@ -308,7 +304,7 @@ def test_drafter_catch_up_with_uneven_rows_in_a_tight_cache(sharp_llama, monkeyp
     overflows, catch_up = [], SpecDecoder._drafter_catch_up
 
     def watched(self, seqs):
-        starts = [self.dcached[s.seq_id] for s in seqs]
+        starts = [s.draft_cached for s in seqs]
         T = max(s.num_cached - st for s, st in zip(seqs, starts))
         room = max(self.dcache.capacity, max(s.num_cached for s in seqs) + 1)  # what the catch-up used to ensure
         overflows.append(max(starts) + T > room)
@@ -320,328 +316,72 @@ def test_drafter_catch_up_with_uneven_rows_in_a_tight_cache(sharp_llama, monkeyp
 
 def test_sd_costs_are_reported(tiny_llama_dir):
     """An adaptive n-gram rollout reports what its SD steps took and what plain decoding would have taken for their
-    tokens (priced once the bandit has measured an "off" step), and no drafter costs without a drafter."""
+    tokens (priced once the policy has measured a plain step), and no drafter costs without a drafter."""
     llm = tlt.LLM(tiny_llama_dir, dtype="float32", speculative_config={"method": "ngram", "bs_threshold": None})
     prompts = [[3, 7, 1, 3, 7, 1, 3, 7], [5, 9, 5, 9, 5, 9], [2, 4, 6, 2, 4, 6]]
     llm.generate(prompts, tlt.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     st = llm.stats()
-    assert st["spec_step_time_s"] > 0 and st["spec_catchup_time_s"] == 0 and st["spec_hidden_keep_time_s"] == 0
+    assert st["spec_step_time_s"] > 0 and st["spec_drafter_step_time_s"] == 0
     assert st["spec_net_saved_s"] != 0 and abs(st["spec_net_saved_s"]) < 100
 
 
-def test_ngram_index_catch_up_is_not_charged_to_the_arm(tiny_llama_dir, monkeypatch):
-    """The n-gram index is built when a proposal first needs it: that catch-up over the tokens decoded so far is
-    paid once a sequence, not a cost of the arm's step, so the bandit is not given it (made 50 ms here)."""
-    import time
+class _RecordingClock(VirtualClock):
+    """A cost model's clock that also records when the engine stops it, among the commit's K/V moves."""
+
+    def __init__(self, costs, events):
+        super().__init__(costs)
+        self.events = events
+
+    def stop(self, kind="plain"):
+        self.events.append(("stop", kind))
+        return super().stop(kind)
+
+
+def test_a_step_is_priced_after_the_work_it_queued(sharp_llama, monkeypatch):
+    """The engine stops a step's clock after the step's last queued op (the commit's K/V moves and hidden-state
+    copies), on the clock it was given (on CUDA, WallClock then waits for them); each SD step the policy observes
+    carries what the cost model charged for its forwards. Control: a step priced at its last host read (before the
+    commit) would stop the clock before the moves."""
+    from tlt.engine.cost_model import CostModel
+    from tlt.engine.model_runner import ModelRunner
+    model, drafter_dir = sharp_llama
+    events = []
+    costs = CostModel({"kind": "table", "rows": [1, 8], "tokens": [1, 8], "target_s": [[1.0, 2.0], [2.0, 3.0]],
+                       "drafter_s": [[0.1, 0.1], [0.1, 0.1]], "draft_head_s": [[0.0, 0.0], [0.0, 0.0]],
+                       "ngram_row_s": 0.0,
+                       "overhead_s": {"prefill": 0.0, "plain": 0.0, "sd": 0.5}}, model.cfg)
+    llm = tlt.LLM(model, max_num_seqs=2, speculative_config=dict(TREE, model=drafter_dir))  # trees move K/V
+    llm.engine.clock = llm.engine.runner.clock = llm.spec.clock = _RecordingClock(costs, events)
+    move = ModelRunner.move_positions
+    monkeypatch.setattr(ModelRunner, "move_positions", lambda self, *a: (events.append(("move",)), move(self, *a)))
+    seen, observe = [], llm.spec.policy.observe
+    llm.spec.policy.observe = lambda bs, arm, tokens, seconds: (seen.append(seconds), observe(bs, arm, tokens, seconds))
+    llm.generate(_prompts(128, n=2, seed=1), tlt.SamplingParams(temperature=0, max_tokens=30))
+    sd_stops = [i for i, e in enumerate(events) if e == ("stop", "sd")]
+    moved = [i for i, e in enumerate(events) if e == ("move",)]
+    assert moved and sd_stops
+    assert all(events[m + 1][0] in ("move", "stop") for m in moved)  # the step's clock stops after its moves
+    # an SD step: a verify forward (>= 1 s), the catch-up and 3 drafter levels (0.1 s each), 0.5 s overhead
+    assert seen and min(s for s in seen if s > 1.4) >= 1.9
+
+
+def test_the_ngram_index_catch_up_is_billed_to_the_step_that_causes_it(tiny_llama_dir, monkeypatch):
+    """The n-gram index catches up on the tokens its pools gained when an n-gram step reads them: that time is the
+    n-gram arm's, in its step's seconds (made 50 ms here). Control: it is absent from every plain step."""
+    import time as _time
     from tlt.speculative.ngram import NgramDrafter
-    llm = tlt.LLM(tiny_llama_dir, dtype="float32", speculative_config=NGRAM)
     indexed = NgramDrafter._indexed
-
-    def slow(self, seq):
-        if seq.indexed < len(seq.tokens):
-            time.sleep(0.05)
-            self.index_time_s += 0.05
-        return indexed(self, seq)
-    monkeypatch.setattr(NgramDrafter, "_indexed", slow)
-    charged, update = [], llm.spec.bandit.update
-    monkeypatch.setattr(llm.spec.bandit, "update", lambda bs, arm, tokens, seconds, critical, **kw: (
-        charged.append((arm.method, seconds)), update(bs, arm, tokens, seconds, critical, **kw)))
-    llm.generate([[3, 7, 1, 3, 7, 1, 3, 7]], tlt.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    ngram = [s for method, s in charged if method == "ngram"]
-    assert ngram and max(ngram) < 0.05
-    assert llm.spec.ngram.index_time_s >= 0.05 * len(ngram)  # every step caught up on the tokens it added
-
-
-def test_the_bandit_hears_of_a_new_batch_once_a_rollout(tiny_llama_dir, monkeypatch):
-    """`StrategyBandit.new_batch` runs when requests arrive at an idle engine: once for a `generate` of several
-    prompts, again for the next one, not for a request added while others run."""
-    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=2, speculative_config=NGRAM)
-    calls = []
-    monkeypatch.setattr(llm.spec.bandit, "new_batch", lambda: calls.append(llm.engine.has_unfinished()))
-    params = tlt.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    llm.generate([[3, 7, 1, 3], [5, 2, 5, 2], [4, 4, 4, 4]], params)
-    assert calls == [False]
-    llm.generate([[3, 7, 1, 3]], params)
-    assert calls == [False, False]
-    llm.engine.add_request([5, 2, 5, 2], params)
-    llm.engine.add_request([4, 4, 4, 4], params)  # the engine is busy: the same batch
-    assert calls == [False, False, False]
-
-
-def test_the_batch_end_gain_is_given_to_the_bandit_only_when_no_request_waits(tiny_llama_dir, monkeypatch):
-    """Three requests, two slots: while the third waits, steps are valued by all their tokens (critical None); once
-    it runs, by how many tokens nearer the furthest row's end the step came (a row with 30 left, beside rows with 6
-    and fewer, is the one whose end ends the rollout). Checked against each row's own output lengths."""
-    from tlt.speculative.spec_decoder import SpecDecoder
-    llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=2, speculative_config=NGRAM)
-    seen, update, step = [], llm.spec.bandit.update, SpecDecoder.step
-
-    def spy(self, seqs):
-        left = [s.max_total_len - s.num_tokens for s in seqs]
-        before = [len(s.output_ids) for s in seqs]
-        waiting = self.engine.requests_waiting
-        done = step(self, seqs)
-        gained = max(left) - max(n - (len(s.output_ids) - b) for s, b, n in zip(seqs, before, left))
-        seen.append((waiting, gained))
-        return done
-    monkeypatch.setattr(SpecDecoder, "step", spy)
-    got = []
-    monkeypatch.setattr(llm.spec.bandit, "update", lambda bs, arm, tokens, seconds, critical, **kw: (
-        got.append(critical), update(bs, arm, tokens, seconds, critical, **kw)))
-    prompts = [[3, 7, 1, 3, 7, 1, 3, 7], [5, 2, 5, 2, 5, 2], [4, 4, 4, 4]]
-    params = [tlt.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 4, 30)]
-    llm.generate(prompts, params)
-    assert len(got) == len(seen) and any(w for w, _ in seen) and not all(w for w, _ in seen)
-    assert got == [None if waiting else gained for waiting, gained in seen]
-    assert any(g > 1 for g in got if g is not None)  # some steps came more than a token nearer
-
-
-@pytest.mark.parametrize("rows, gains, end", [
-    ([(10, 30, 5), (12, 28, 4), (10, 6, 2)], [3, 1, 3], 2),  # left 25, 24, 4: the row one behind gained 1
-    ([(10, 30, 5), (12, 28, 4)], [3, 3], 3),                 # both 3: the end came 3 nearer
-    ([(10, 8, 4), (10, 6, 2)], [1, 3], 1),                   # tied at 4 left: the one that gained 1
-    ([(10, 30, 5), (12, 28, 4), (10, 6, 2)], [1, 1, 1], 1),  # a plain step: 1
-])
-def test_end_gain_counts_the_row_that_becomes_the_furthest(rows, gains, end):
-    """_end_gain over rows given as (prompt length, max_tokens, output length before the step) and the tokens each
-    gained. Control: the furthest row's own gain (the rule before) differs in the first case."""
-    from tlt.engine.sequence import Sequence
-    from tlt.speculative.spec_decoder import _end_gain, _rows_left
-    seqs = [Sequence(i, i, 0, i, [1] * p, tlt.SamplingParams(max_tokens=m), torch.Generator(), output_ids=[2] * o)
-            for i, (p, m, o) in enumerate(rows)]
-    before = _rows_left(seqs)
-    for s, g in zip(seqs, gains):
-        s.output_ids.extend([2] * g)
-    assert _end_gain(seqs, before) == end
-    furthest = max(range(len(rows)), key=lambda i: before[i][0])
-    assert (gains[furthest] != end) == (gains == [3, 1, 3])
-
-
-def test_a_closed_bucket_keeps_no_hidden_states_and_a_new_drafter_resumes_the_capture(sharp_llama):
-    """Buckets closed mid-rollout (SD did not pay there): the steps that follow keep no hidden states, neither for
-    drafting nor as drafter data; a published drafter reopens them and the capture resumes. The tokens are plain
-    decoding's (seeded, fp32), and the states kept after the gap are the ones a full capture keeps, from the
-    token where it resumed (CompletionOutput.hidden_start). Control: never closed, every state is kept."""
-    model, drafter_dir = sharp_llama
-    prompts = _prompts(128, n=3, seed=5)
-    p = tlt.SamplingParams(temperature=0.8, max_tokens=30, seed=9, return_hidden_states=True, ignore_eos=True)
-    plain = tlt.LLM(model).generate(prompts, p)
-
-    def run(close_at, reopen_at):  # closed by hand here (the rule that closes them: tests/test_bandit.py)
-        llm = tlt.LLM(model, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=None,
-                                                     close_buckets=False))
-        requests = [llm.engine.add_request(x, p) for x in prompts]
-        steps = 0
-        while llm.engine.has_unfinished():
-            llm.engine.step()
-            steps += 1
-            if steps == close_at:
-                llm.spec.bandit.closed = [True] * len(llm.spec.bandit.closed)
-            if steps == reopen_at:
-                llm.spec.load_drafter_state(llm.spec.drafter.trainable_state_dict())  # a publish reopens
-        return [llm._request_output(seqs, x).outputs[0] for seqs, x in zip(requests, prompts)], llm
-
-    gap, llm = run(close_at=4, reopen_at=12)
-    full, _ = run(close_at=-1, reopen_at=-1)
-    for g, f, ref in zip(gap, full, plain):
-        assert g.token_ids == f.token_ids == ref.outputs[0].token_ids  # exact with or without the capture
-        assert f.hidden_start == 0 and f.hidden_states.shape[0] == len(f.token_ids)  # control: all kept
-        assert 0 < g.hidden_start < len(g.token_ids)
-        assert g.hidden_states.shape[0] == len(g.token_ids) - g.hidden_start
-        assert torch.equal(g.hidden_states, f.hidden_states[g.hidden_start:])
-    assert llm.spec.stats()["spec_closed_buckets"] == 0  # reopened by the publish
-
-
-def test_a_closed_bucket_asks_the_n_gram_drafter_about_each_plain_step(sharp_llama):
-    """Every plain step in a closed bucket with no request waiting asks the n-gram drafter for the next token of up
-    to LOOP_ASKS rows (in turn), and tells the bandit whether each row drew it (StrategyBandit.shadow, with the row's
-    key: the hit rate brings a probe nearer, and a row's hits in a row follow its loop). Two greedy requests (the
-    batch shrinks from 2 to 1): each answer is what a fresh NgramDrafter replaying that row's tokens proposes at that
-    position, every decoded position of both rows is asked, and each hit is whether the row's next token is the
-    guess. The outputs repeat themselves, so some are hits. Control: open buckets ask nothing through the shadow."""
-    from tlt.speculative.ngram import NgramDrafter
-    model, drafter_dir = sharp_llama
-    prompts = [[3, 7, 1, 3, 7, 1, 3, 7], [5, 2, 5, 2, 5, 2]]
-    params = [tlt.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 12)]
-
-    def run(closed):
-        llm = tlt.LLM(model, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=None))
-        spec, asked, hits = llm.spec, [], []
-        # closed by hand, and never probing (the rules that close and probe: tests/test_bandit.py)
-        spec.bandit.closed, spec.bandit.close = [closed] * len(spec.bandit.closed), False
-        propose = spec.ngram.propose
-        spec.ngram.propose = lambda seq_id, k=None: asked.append(
-            (list(spec.ngram.seqs[seq_id].tokens), propose(seq_id, k))) or asked[-1][1]
-        spec.bandit.shadow = lambda bs, hit, row: hits.append(hit)
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], asked, hits
-
-    outputs, asked, hits = run(closed=True)
-    assert len(asked) == len(hits) and any(hits) and not all(hits)
-    positions = {0: set(), 1: set()}
-    for (tokens, guess), hit in zip(asked, hits):
-        row = next(r for r, p in enumerate(prompts) if tokens[:len(p)] == p)
-        full = prompts[row] + outputs[row]
-        assert tokens == full[:len(tokens)]
-        replay = NgramDrafter(max_n=SpecConfig().ngram_max_n, min_n=SpecConfig().ngram_min_n)
-        replay.register(0, 0, tuple(prompts[row]), prompts[row])
-        replay.update(0, tokens[len(prompts[row]):])
-        assert guess == replay.propose(0, 1) and hit == (guess == full[len(tokens):len(tokens) + 1])
-        positions[row].add(len(tokens) - len(prompts[row]))
-    assert positions == {0: set(range(1, 40)), 1: set(range(1, 12))}  # every step asked both, then the one left
-    assert run(closed=False)[2] == []  # (its n-gram arms still ask the drafter for their drafts)
-
-
-def test_an_open_bucket_asks_the_n_gram_drafter_about_each_row_and_follows_its_loop(sharp_llama):
-    """With no request waiting, every plain step of an open bucket asks the n-gram drafter for the next token of up
-    to LOOP_ASKS rows (in turn) and tells the bandit whether each drew it (StrategyBandit.loop_shadow: `follow_loops`
-    hits in a row and the row loops). Two greedy requests of 12 and 40 tokens: each step asks about every row it
-    holds (2, then 1), each answer is what a fresh NgramDrafter replaying that row proposes, each hit is whether its
-    next token is the guess; once a row has a count, `select` gets the rows' keys; finished rows' counts go. The
-    outputs repeat themselves, so some are hits. Then n-gram steps only: the bandit gets each row's tokens a step
-    under its key (`loop_drafted`; the longer row is the batch's second, then its first), which add up to its
-    output. Control: follow_loops=0 asks nothing."""
-    from tlt.speculative.bandit import OFF as OFF_ARM, Arm
-    from tlt.speculative.ngram import NgramDrafter
-    model, drafter_dir = sharp_llama
-    prompts = [[5, 2, 5, 2, 5, 2], [3, 7, 1, 3, 7, 1, 3, 7]]
-    params = [tlt.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 40)]
-
-    def run(follow, arm=OFF_ARM):
-        llm = tlt.LLM(model, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=None,
-                                                     follow_loops=follow))
-        spec, asked, hits, keys, gains = llm.spec, [], [], [], []
-        spec.bandit.close = False  # stays open (the rules that close: tests/test_bandit.py)
-        spec.bandit.select = lambda bs, rows=None, left=None: keys.append(rows) or arm  # one arm throughout
-        propose = spec.ngram.propose
-        spec.ngram.propose = lambda seq_id, k=None: asked.append(
-            (list(spec.ngram.seqs[seq_id].tokens), propose(seq_id, k))) or asked[-1][1]
-        loop_shadow = spec.bandit.loop_shadow
-        spec.bandit.loop_shadow = lambda row, hit: hits.append((row, hit)) or loop_shadow(row, hit)
-        spec.bandit.loop_drafted = gains.append
-        if arm is not OFF_ARM:
-            spec.bandit.streak[-1] = 4  # a row of no batch: the steps pass their rows' keys
-        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        return outputs, asked, hits, keys, gains, dict(spec.bandit.streak)
-
-    outputs, asked, hits, keys, _, streak = run(follow=4)
-    assert len(asked) == len(hits) == 11 * 2 + 28 and any(h for _, h in hits) and not all(h for _, h in hits)
-    assert streak == {}  # both rows finished
-    ids = {}
-    for (tokens, guess), (key, hit) in zip(asked, hits):
-        row = next(r for r, p in enumerate(prompts) if tokens[:len(p)] == p)
-        assert ids.setdefault(row, key) == key  # one key a row
-        full = prompts[row] + outputs[row]
-        assert tokens == full[:len(tokens)]
-        replay = NgramDrafter(max_n=SpecConfig().ngram_max_n, min_n=SpecConfig().ngram_min_n)
-        replay.register(0, 0, tuple(prompts[row]), prompts[row])
-        replay.update(0, tokens[len(prompts[row]):])
-        assert guess == replay.propose(0, 1) and hit == (guess == full[len(tokens):len(tokens) + 1])
-    assert len(ids) == 2 and keys[0] is None and [ids[0], ids[1]] in keys and [ids[1]] in keys
-    assert run(follow=0)[1:3] == ([], [])
-
-    outputs, _, hits, keys, gains, _ = run(follow=4, arm=Arm("ngram4", "ngram", 4, 1, 4))
-    assert hits == [] and len(gains) == len(keys) and all(set(g) == set(k) for g, k in zip(gains, keys))
-    assert len(keys[0]) == 2 and len(keys[-1]) == 1 and keys[-1][0] == keys[0][1]  # the longer row moved up
-    totals = Counter()
-    for g in gains:
-        totals.update(g)
-    assert [totals[k] for k in keys[0]] == [len(o) - 1 for o in outputs]  # the first token: the prefill's
-    assert any(max(g.values()) > 1 for g in gains)  # drafts held
-
-
-def test_a_step_run_for_the_looping_rows_drafts_for_those_rows_only(sharp_llama):
-    """A step the bandit runs because rows loop (StrategyBandit.following: their keys) asks the n-gram drafter about
-    those rows only, and tells the loop counts (`loop_drafted`) of those rows only (another row gains one token,
-    which says nothing of its loop); the outputs are plain decoding's, and the bandit is told the step was followed
-    (it records none such). Control: a step chosen for the arm's own sake (following None) drafts for, and tells of,
-    every row, and is recorded."""
-    from tlt.speculative.bandit import Arm
-    model, drafter_dir = sharp_llama
-    prompts = [[5, 2, 5, 2, 5, 2], [3, 7, 1, 3, 7, 1, 3, 7]]
-    params = tlt.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in tlt.LLM(model).generate(prompts, params)]
-
-    def run(loops: bool):
-        llm = tlt.LLM(model, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=None))
-        spec, asked, chosen, told = llm.spec, [], [], []
-        spec.bandit.loop_drafted = lambda gains: told.append(set(gains))
-        spec.bandit.streak[-1] = 4  # a row of no batch: the steps pass their rows' keys
-        arm = Arm("ngram4", "ngram", 4, 1, 4)
-
-        def select(bs, rows=None, left=None):
-            spec.bandit.following = {rows[-1]} if loops else None  # the batch's last row loops
-            chosen.append(spec.bandit.following)
-            lefts.append(left)
-            return arm
-        lefts, followed, update = [], [], spec.bandit.update
-        spec.bandit.select = select
-        spec.bandit.update = lambda *a, **kw: followed.append(kw.get("followed")) or update(*a, **kw)
-        propose = spec.ngram.propose
-        spec.ngram.propose = lambda seq_id, k=None: asked.append((len(chosen), seq_id)) or propose(seq_id, k)
-        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert lefts[0] == [23, 23]  # each row's tokens left to max_tokens (the prefill gave it one)
-        assert followed == [loops] * len(chosen)  # every step told the bandit whether it was followed
-        return outputs, asked, chosen, told
-
-    outputs, asked, chosen, told = run(loops=True)
-    assert outputs == ref and asked
-    assert all(seq_id in chosen[step - 1] for step, seq_id in asked)
-    assert told == chosen  # the loop counts hear of the rows drafted for only: the other row's count is kept
-    assert len({seq_id for _, seq_id in asked}) == 2  # the batch's last row, drafting, finishes first; then the other
-    outputs, asked, chosen, told = run(loops=False)
-    assert outputs == ref and all(f is None for f in chosen) and len(told[0]) == 2
-    assert Counter(step for step, _ in asked)[1] == 2  # both rows drafted at the first step
-
-
-def test_no_row_is_asked_about_or_followed_while_a_request_waits_and_the_asks_go_round(sharp_llama):
-    """Six greedy requests on five slots: while the sixth waits for one (the shortest, 6 tokens, to finish), no
-    step asks the n-gram drafter about a row and `select` gets no rows (a finished row's slot is refilled: no loop to
-    follow); from then on each step asks about LOOP_ASKS (4) rows, in turn, so that any two steps in a row ask about
-    all five."""
-    from tlt.speculative.bandit import OFF as OFF_ARM
-    from tlt.speculative.spec_decoder import LOOP_ASKS
-    model, drafter_dir = sharp_llama
-    prompts = [[3, 7, 1, 3, 7, 1], [5, 2, 5, 2, 5, 2], [4, 4, 6, 4, 4, 6], [9, 8, 9, 8], [1, 2, 3, 1, 2, 3], [6, 5, 6]]
-    params = [tlt.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (20, 6, 20, 20, 20, 20)]
-    llm = tlt.LLM(model, max_num_seqs=5, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=None,
-                                                                 follow_loops=4))
-    spec, steps = llm.spec, []
-    spec.bandit.close = False
-    spec.bandit.streak[-1] = 4  # a row of no batch: steps where rows may follow a loop pass their keys
-
-    def select(bs, rows=None, left=None):
-        steps.append((llm.engine.requests_waiting, rows, []))
-        return OFF_ARM
-
-    spec.bandit.select = select
-    propose = spec.ngram.propose
-    spec.ngram.propose = lambda seq_id, k=None: steps[-1][2].append(seq_id) or propose(seq_id, k)
-    llm.generate(prompts, params)
-    waited = [s for s in steps if s[0]]
-    assert waited and all(rows is None and asked == [] for _, rows, asked in waited)
-    free = [(rows, asked) for w, rows, asked in steps if not w]
-    assert all(rows is not None and len(asked) == min(len(rows), LOOP_ASKS) and set(asked) <= set(rows)
-               for rows, asked in free)
-    full = [(rows, asked) for rows, asked in free if len(rows) == 5]
-    assert len(full) > 4 and all(set(a1 + a2) == set(r1) for (r1, a1), (r2, a2) in zip(full, full[1:]) if r1 == r2)
-
-
-def test_above_the_gate_the_capture_follows_whether_any_bucket_is_open(sharp_llama):
-    """Above bs_threshold SD never runs, so no bucket owns those steps: they keep hidden states (the context the
-    tail's drafts read, and drafter data) while any bucket is open, none once all are closed, and their capture
-    time is charged to no bucket. Control: at or below the threshold a closed bucket decides alone."""
-    model, drafter_dir = sharp_llama
-    llm = tlt.LLM(model, speculative_config=dict(ADAPTIVE, model=drafter_dir, bs_threshold=32))
-    spec, bandit = llm.spec, llm.spec.bandit
-    mid = bandit.bucket(10)
-    bandit.closed[mid] = True
-    assert not spec.capturing(10) and spec.capturing(40)  # 10: its own closed bucket; 40: above the gate
-    spec.charge_capture(40, 5.0)
-    assert all(bandit.ledger_seconds(b) == 0 for b in range(len(bandit.arms)))
-    spec.charge_capture(3, 5.0)
-    assert bandit.ledger_seconds(bandit.bucket(3)) == -5.0  # control: below the gate the step's bucket is charged
-    bandit.closed = [True] * len(bandit.closed)
-    assert not spec.capturing(40) and not spec.capturing(1)
+    monkeypatch.setattr(NgramDrafter, "_indexed", lambda self, seq: (_time.sleep(0.05), indexed(self, seq))[1])
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", speculative_config=dict(NGRAM, adaptive=True,
+                                                                          bs_threshold=None, method="ngram"))
+    seen, observe = [], llm.spec.policy.observe
+    llm.spec.policy.observe = lambda bs, arm, tokens, seconds: (seen.append((arm.method, seconds)),
+                                                                observe(bs, arm, tokens, seconds))
+    llm.generate([[3, 7, 1, 3, 7, 1, 3, 7]], tlt.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    ngram = [s for m, s in seen if m == "ngram"]
+    plain = [s for m, s in seen if m == "off"]
+    assert ngram and plain
+    assert min(ngram) >= 0.05 > max(plain)
 
 
 def test_max_draft_len_covers_every_fixed_arm():

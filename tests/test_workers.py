@@ -161,11 +161,11 @@ def test_replica_config_carries_every_speculative_key():
     from tlt.speculative.config import SpecConfig
     run = load_config(None, ["speculative.adaptive=false", "speculative.draft_topk=3",
                              "speculative.num_draft_tokens=7", "speculative.acceptance=rejection",
-                             "speculative.device_profile=gpu", "speculative.epsilon=0.2"])
+                             "speculative.arm_table=gpu", "speculative.bs_threshold=12"])
     spec = ReplicaConfig.from_config(run).speculative
     got = SpecConfig.from_dict({**spec, "model": "<fresh>"})
-    assert (got.adaptive, got.draft_topk, got.num_draft_tokens, got.acceptance, got.device_profile, got.epsilon) == \
-        (False, 3, 7, "rejection", "gpu", 0.2)
+    assert (got.adaptive, got.draft_topk, got.num_draft_tokens, got.acceptance, got.arm_table, got.bs_threshold) == \
+        (False, 3, 7, "rejection", "gpu", 12)
 
 
 def test_replica_reports_the_graphs_captured_in_each_rl_step(tiny_llama_dir, monkeypatch):

@@ -171,26 +171,11 @@ class DrafterTrainConfig:
     warmup_steps: int = _f(200, "warm-up drafter: optimiser steps", ge=1)
     warmup_temperatures: list[float] | None = _f(None, "warm-up drafter: sampling temperatures; null = the run's "
                                                        "rollout.temperature, the law its drafts must hold")
-    backoff_max_steps: int = _f(
-        8, "in-process runs: while what the drafter is worth a rollout (SD's net saving there, plus what the last "
-           "round's held-out accept-length gain g would save: the SD steps' time times g / (1 + g)) is below what a "
-           "round added to its step, skip the next 1, 2, 4, ... rounds' turns after each judged round (at most this "
-           "many in a row; a skipped turn drops its training, its data stays in the buffer): a round shares the "
-           "rollout's machine or lengthens the step, and reopens the bandit's closed buckets where it could pay. "
-           "With spot off it also bounds a round by what SD could save: plain decoding's time for the rollout's SD "
-           "steps' tokens, times every_k_steps (no round where SD ran no step, none while that does not exceed "
-           "the latest round's cost). 0 = a round every every_k_steps; the verdicts need held-out data "
-           "(holdout_fraction > 0). "
-           "Whether a round runs then depends on measured times (docs/design.md §5)", ge=0)
     spot: bool | None = _f(
         None, "in-process runs: true = train the drafter on the steps so far in a thread alongside the next rollout, "
                 "on compute the rollout leaves idle (TLT's spot training; published after that rollout, so drafts "
                 "lag one more step); false = after the policy update, paid on top of the step; null = true when the "
                 "model is on CPU and the processes' torch threads leave a core idle")
-    spot_contention: float = _f(
-        0.1, "the back-off's price of a spot round, beside what the step waited for it: this share of the seconds its "
-             "thread ran beside the rollout and its rewards, which it slowed (drafter training on the second core of a "
-             "2-core CPU slowed the rollout by 5-15%, docs/design.md §5)", ge=0, le=1)
 
 
 @dataclass

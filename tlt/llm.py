@@ -3,6 +3,9 @@
     llm = tlt.LLM(model="path/to/hf_dir")
     outs = llm.generate([[1, 2, 3]], tlt.SamplingParams(temperature=0, max_tokens=32))
     outs[0].outputs[0].token_ids, .text, .logprobs, .finish_reason
+
+`clock` (tlt.engine.clock) times the engine's steps for the speculation policy: the device's clock by default, or a
+VirtualClock that charges each forward from a device profile (decode on the CPU as another device would cost).
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ class LLM:
     def __init__(self, model: str | Path | Decoder | None = None, tokenizer: Any = None, dtype: str = "auto",
                  device: str = "auto", max_num_seqs: int = 64, max_model_len: int | None = None,
                  kv_cache_tokens: int | None = None, seed: int = 0, speculative_config: dict | SpecConfig | None = None,
-                 skip_tokenizer_init: bool = False, enforce_eager: bool = False, attention: str = "auto"):
+                 skip_tokenizer_init: bool = False, enforce_eager: bool = False, attention: str = "auto",
+                 clock=None):
         if model is None:
             from tlt.models.smollm import default_model_path
             model = default_model_path()
@@ -56,7 +60,7 @@ class LLM:
         self.tokenizer = tokenizer
         self.engine = LLMEngine(self.model, eos_ids_of(model_dir, self.model, tokenizer), max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens, seed=seed,
-                                enforce_eager=enforce_eager, attention=attention)
+                                enforce_eager=enforce_eager, attention=attention, clock=clock)
         self.spec = None
         if speculative_config is not None:
             from tlt.speculative.spec_decoder import SpecDecoder
@@ -129,7 +133,10 @@ class LLM:
                # CUDA graphs captured and the seconds it took (in the decode and SD step times that include them)
                "graph_captures": self.engine.num_graph_captures,
                "graph_capture_time_s": self.engine.graph_capture_time_s,
-               "decode_time_upto_bs": {str(k): v for k, v in s.decode_time_upto_bs.items()}}
+               "decode_time_upto_bs": {str(k): v for k, v in s.decode_time_upto_bs.items()},
+               "decode_by_bs": {bs: tuple(v) for bs, v in sorted(s.decode_by_bs.items())},
+               # SD steps' time by phase (drafting, the target's verification, the commit) on the engine's clock
+               **{f"sd_{phase}_time_s": v for phase, v in s.spec_phase_time_s.items()}}
         if self.spec is not None:
             out.update(self.spec.stats())
         return out

@@ -9,7 +9,7 @@ else the one `tlt train` runs, tlt/configs/default.yaml: the default task on Smo
 The modes differ only in the speculative section:
     off       speculative.enabled=false
     always    SD at every batch size with one fixed EAGLE chain (bs_threshold=null, adaptive=false)
-    adaptive  SD gated on the running batch (speculative.bs_threshold) with the bandit over the arm table
+    adaptive  SD gated on the running batch (speculative.bs_threshold) with the adaptive policy over the arm table
     adaptive_rej, frozen, ngram (on request): adaptive with speculative.acceptance=rejection (SD off's law, other
               samples), with the warm-started drafter never trained, with n-gram drafts only
     off_control (on request): SD off again, in its own process: how far two identical processes' ratios part on
@@ -57,7 +57,7 @@ from tlt.engine.llm_engine import SMALL_BATCHES
 MODES = ("off", "always", "adaptive", "adaptive_rej", "frozen", "ngram", "off_control")
 SD_OFF_MODES = ("off", "off_control")
 DEFAULT_MODES = ("off", "always", "adaptive")  # each mode is a whole trainer process: ~5 GB for the default model
-# off: no SD; always: one fixed EAGLE chain at every batch size; adaptive: gate + bandit, drafter trained online;
+# off: no SD; always: one fixed EAGLE chain at every batch size; adaptive: gate + policy, drafter trained online;
 # frozen: adaptive with the warm-started drafter never trained; ngram: adaptive with model-free drafts only.
 STEP_SPEEDUP_GOAL = 1.7  # the paper's end-to-end headline (docs/design.md §11)
 QUICK_OVERRIDES = ["data.train_batch_size=2", "rollout.n=4", "data.max_response_length=16"]
@@ -349,9 +349,9 @@ TAIL_BATCHES = tuple(map(str, SMALL_BATCHES))  # as llm.stats() names them
 # what each part of a step costs, per mode (median seconds a step): the trainer's phases, then what speculative
 # decoding and online drafter training add (docs/design.md §6); spec_net_saved < 0 means SD steps cost time
 COSTS = {"rollout": "timing_s/gen", "reward": "timing_s/reward", "old_logp": "timing_s/old_log_prob",
-         "update": "timing_s/update_actor", "drafter": "timing_s/drafter", "draft": "rollout/spec_draft_time_s",
-         "catchup": "rollout/spec_catchup_time_s", "verify": "rollout/spec_verify_time_s",
-         "spec_net_saved": "rollout/spec_net_saved_s", "keep_hidden": "rollout/spec_hidden_keep_time_s",
+         "update": "timing_s/update_actor", "drafter": "timing_s/drafter", "draft": "rollout/sd_propose_time_s",
+         "verify": "rollout/sd_verify_time_s", "commit": "rollout/sd_commit_time_s",
+         "spec_net_saved": "rollout/spec_net_saved_s",
          "copy_hidden": "rollout/hidden_copy_time_s", "buffer": "drafter/buffer_time_s",
          "train_drafter": "drafter/train_time_s", "spot_wait": "drafter/spot_wait_s",
          "spot_beside": "drafter/spot_overlap_s", "compare": "drafter/compare/time_s",

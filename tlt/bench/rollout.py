@@ -11,7 +11,7 @@ token; a float rounding difference between the verify and decode forwards can, r
 boundary). tok_x = tok_s / tok_s of off.
     off       plain decoding
     always    EAGLE, one fixed chain of --depth at every batch size (bs_threshold=None)
-    adaptive  EAGLE, SD gated on the running batch (--bs-threshold) with the bandit over the arm table
+    adaptive  EAGLE, SD gated on the running batch (--bs-threshold) with the adaptive policy over the arm table
     ngram     n-gram drafts only, at every batch size
 Drafter: --drafter, else the model's cached warm-up drafter; without one the EAGLE modes are skipped (said so).
 Repeats run the modes interleaved (A B C D A B C D ...), each repeat with new seeds (the same in every mode);

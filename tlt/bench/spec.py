@@ -5,7 +5,7 @@
                    [--dtype auto|float32|bfloat16] [--sd-eager-too]
                    [--strategies ngram,eagle_chain,eagle_tree,adaptive,plain_control]
 
-Strategies: each fixed arm (EAGLE chain, EAGLE tree, n-gram) and the adaptive policy (bandit over the arm table,
+Strategies: each fixed arm (EAGLE chain, EAGLE tree, n-gram) and the adaptive policy (the policy over the arm table,
 SD gated by batch size). Prompts are the default task's chat prompts, a pool of --prompts: each round decodes the
 next bs of them (the same batch for every configuration), so a small batch's median covers many prompts; every
 configuration samples with the same seeds. Every row decodes --max-tokens tokens, past its EOS, so a batch size's
@@ -101,7 +101,7 @@ def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens,
     rows = []
     for name, t in timed.items():
         stats = llms[name].stats()
-        # SD steps are timed against plain decoding only where the bandit also decodes plainly (adaptive)
+        # SD steps are timed against plain decoding only where the policy also decodes plainly (adaptive)
         priced = specs[name] is not None and specs[name].get("adaptive", True)
         tok_s = statistics.median(n / dt for n, dt in zip(tokens[name][1:], t["times"]))
         rows.append({"strategy": name, "bs": bs, "tok_s": tok_s, "time_s": t["median"],
@@ -110,7 +110,7 @@ def run_ours(model, tok, prompts, bs, specs: dict[str, dict | None], max_tokens,
                      "sd_on": stats.get("spec_on_fraction"), "captures": sum(captures[name][1:]),
                      "capture_s": sum(capture_s[name][1:]),
                      # the last round's seconds in SD steps, and plain decoding's estimated seconds for their
-                     # tokens less those (the bandit's prices; negative: SD steps cost time)
+                     # tokens less those (the policy's prices; negative: SD steps cost time)
                      "sd_s": stats.get("spec_step_time_s") if priced else None,
                      "sd_saved_s": stats.get("spec_net_saved_s") if priced else None})
     return rows, [(p, o.outputs[0].token_ids) for p, o in zip(batches[-1], timed["plain"]["result"])]

@@ -24,37 +24,12 @@ trains what a spot=false round trains; steps left for after the update see the u
 (compare_drafters) runs in that thread too, on the previous step's held-out responses, and is logged with the
 step whose rollout it ran alongside (drafter/compare/rl_step names the responses' step).
 
-Back-off (drafter_train.backoff_max_steps): a round is not free here. It shares the rollout's machine (a thread on
-the "idle" core slowed a 2-core CPU's rollout by 5-15%: docs/results/spot_contention_cpu-zen4_2026-11-26.txt), or
-runs on top of the step, and a publish reopens the bandit's closed buckets where its gain could pay, whose
-exploration and capture then cost the next rollout again. So the rounds must pay for themselves: a round's cost is
-what it added to its step (its training and the comparison beside it, or with spot what the step waited for it plus
-spot_contention times the seconds its thread ran beside the rollout and its rewards, drafter/spot_overlap_s), and
-what the drafter is worth a rollout is the net saving of its SD steps there (spec_drafter_net_saved_s; not the n-gram
-arms', which need no drafter: in default runs on a 2-core CPU their saving in looping tails paid for rounds of a
-drafter whose own steps lost time) plus what the last round's gain g in held-out accept length would add to it (its
-SD steps, accepting 1 + g times as many tokens, would take 1 / (1 + g) of their time), less the seconds spent keeping
-hidden states for it. While the worth falls short of the cost, each round that gets a verdict skips the
-next 1, then 2, 4, ... turns (at most backoff_max_steps in a row); a rollout where it does not ends the
-back-off from the next turn. A round's gain is measured where it will be used: on the next step's held-out
-responses (prompts no drafter trained on), the published drafter against the weights before that round, at the
-start of the next round. Held-out responses of the round's own step share their prompts with its training data,
-so they score the round on responses like those it trained on, while the drafter serves the next steps' prompts.
-Before any round has published, the round's own held-out slice gives the gain; without fresh responses to judge a
-published round by (holdout_fraction=0; a spot run's first round after a resume, whose previous step's responses
-are not checkpointed) there is no verdict and the back-off stays as it is. A round judged worse there than the
-weights it started from is undone: the next round trains from those weights, and publishes them back if it is
-refused (drafter/reverted; docs/design.md §5, "Publishing"). A skipped turn drops its training: the
-next round trains one pass over what arrived after it, and the skipped steps' data stays in the buffer, where later
-rounds sample it (docs/design.md §5). The gain a publish hands the bandit is the round's own slice's, which errs
-toward reopening (after an undo, over the weights the engine had: the undone round's own gain divided out).
-
-Budget (spot off, back-off on): a drafter can earn a rollout at most plain decoding's time for its own SD steps' tokens
-(the worth above with a gain without bound), so over a turn that is what a round after the update may add to its
-step. A turn whose budget does not exceed the latest round's cost (0 before any round) skips the round and the
-comparison and drops its training; a round starts no drafter step once its budget, less the comparison's time and
-the evaluation after the steps (as long as the one before them), is spent, and is not evaluated again if it took
-none (docs/design.md §5).
+Publishing: a round is published only if held-out accuracy did not drop (`should_publish`), with its gain in
+held-out accept length, which the policy uses to decide whether parked drafter arms are worth a trial
+(AdaptivePolicy.drafter_changed). A published round is judged again where it will be used, on the next step's
+held-out responses (prompts no drafter trained on), against the weights it started from; one judged worse there is
+undone: the next round trains from those weights, and publishes them back if it is refused (drafter/reverted;
+docs/design.md §5). Nothing here reads a clock to decide: a resumed run trains the drafter an uninterrupted one does.
 
 The hook's checkpoint state is the published drafter weights, the optimiser, the sampling generator, the
 counters and the buffer (its hidden states too: a resumed run must train on what the uninterrupted one would, to
@@ -121,10 +96,6 @@ class OnlineDrafterHook(DrafterHook):
         self._yield_s = 0.0                 # what rollout_done waited for the round's step in flight
         self._spot_start = 0.0              # when the spot round's thread started
         self._rollout_end: float | None = None  # when the rollout it ran beside ended (rollout_done)
-        self.backoff_gap = 0   # turns skipped after the latest round that did not pay for itself
-        self.skip_left = 0     # of those, still to skip
-        self.round_cost = 0.0  # seconds the latest round added to its step (the back-off's price of a round)
-        self._round_gain: float | None = None  # set by _finish: the verdict on a round (its accept-length gain)
         self._before_last: dict[str, torch.Tensor] | None = None  # the weights the last published round started from
         self._published_gain: float | None = None  # the gain handed to the engine with the last publish
         self._fresh: tuple[PackedBatch, TargetCache] | None = None  # fresh_batch(), shared within a step
@@ -174,7 +145,6 @@ class OnlineDrafterHook(DrafterHook):
         metrics = {"drafter/steps": 0.0, "drafter/train_time_s": 0.0, "drafter/published": 0.0,
                    "drafter/reverted": 0.0}
         self._may_run.set()
-        self._round_gain = None
         if self._pending is not None:  # the spot round that ran alongside this rollout: publish it now
             thread, result = self._pending
             t0 = time.perf_counter()
@@ -191,9 +161,6 @@ class OnlineDrafterHook(DrafterHook):
             metrics.update(result.get("compare", {}))  # the previous step's responses (drafter/compare/rl_step)
             if "trained" in result:
                 metrics.update(self._finish(step, *result["trained"]))
-                # what the step waited for it, and what it took from the rollout it ran beside
-                self.round_cost = (metrics["drafter/spot_wait_s"] + self._yield_s
-                                   + self.cfg.spot_contention * overlap)
         t0 = time.perf_counter()
         self.add_outputs(step, outputs)
         metrics["drafter/buffer_time_s"] = time.perf_counter() - t0
@@ -201,13 +168,8 @@ class OnlineDrafterHook(DrafterHook):
         if not self.spot and self._compare_due():  # spot: in the next step's thread
             metrics.update(self.compare_drafters())
         if not self.spot and self._due(step):
-            budget = self._round_budget()  # what the comparison beside it spent counts against the turn's budget
-            metrics.update(self.train_session(step, None if budget is None else
-                                              budget - metrics.get("drafter/compare/time_s", 0.0)))
-            # with the comparison that ran beside it this step (a diagnostic the rounds bring)
-            self.round_cost = metrics["drafter/train_time_s"] + metrics.get("drafter/compare/time_s", 0.0)
+            metrics.update(self.train_session(step))
         self._fresh = None  # the fresh batch's target side is large: not held through the update
-        metrics |= self._back_off()
         metrics |= self.last_train  # loss/acc of the latest round, so the curves have a value every step
         metrics.update({"drafter/version": float(self.version), "drafter/buffer_tokens": float(self.buffer.num_tokens)})
         return metrics
@@ -234,8 +196,8 @@ class OnlineDrafterHook(DrafterHook):
 
     def fresh_batch(self) -> tuple[PackedBatch, TargetCache] | None:
         """The newest step's held-out responses, packed (prompts no drafter has trained on), with a target side
-        that the comparison and the back-off's judge share; None without any. Built once a step, dropped when the
-        step's drafter work is done."""
+        that the comparison and the published round's judge share; None without any. Built once a step, dropped
+        when the step's drafter work is done."""
         if self._fresh is None and self.fresh_heldout:
             self._fresh = (pack([s.window(a, b) for s, *_ in self.fresh_heldout
                                  for _, a, b in self.buffer.windows_of(s)], self.cfg.batch_tokens), TargetCache())
@@ -245,12 +207,12 @@ class OnlineDrafterHook(DrafterHook):
         """Accept-length proxy of the online, frozen warm-start and n-gram drafters on this step's held-out
         responses, before the drafter trains on the step (tlt.drafter_train.compare)."""
         t0 = time.perf_counter()
-        batch, targets = self.fresh_batch()  # one target side for the drafters (and the back-off's judge)
+        batch, targets = self.fresh_batch()  # one target side for the drafters (and the published round's judge)
         online = self.trainer.evaluate(batch, targets=targets)
         frozen = self.frozen.evaluate(batch, targets=targets)
         ngram = torch.cat([compare.accept_from_hits(compare.ngram_hits(
-            prompt, group, i, compare.target_top1(s.hidden, self.drafter.target.lm_head_weight),
-            self.spec.cfg.ngram_max_n, self.spec.cfg.ngram_min_n)) for s, prompt, group, i in self.fresh_heldout])
+            prompt, group, i, compare.target_top1(s.hidden, self.drafter.target.lm_head_weight)))
+            for s, prompt, group, i in self.fresh_heldout])
         return {"drafter/compare/rl_step": float(self.last_step),
                 "drafter/compare/online": online["accept_proxy"], "drafter/compare/frozen": frozen["accept_proxy"],
                 "drafter/compare/ngram": float(ngram.float().mean()), "drafter/compare/tokens": float(ngram.numel()),
@@ -258,84 +220,36 @@ class OnlineDrafterHook(DrafterHook):
 
     def _due(self, step: int) -> bool:
         """Whether the round on the steps through `step` runs now; called once a step (before_rollout with spot,
-        else after_rollout). A round's turn the back-off skips counts down the skips and drops its training."""
+        else after_rollout): every every_k_steps steps, once new data arrived and the buffer holds
+        min_buffer_tokens."""
         if step <= 0 or step % self.cfg.every_k_steps:
-            return False
-        if self.skip_left:  # backing off (0 whenever backoff_max_steps is: load_state_dict cuts it to the cap)
-            self.skip_left -= 1
-            self.new_tokens = 0
-            return False
-        if not self._may_pay():  # a turn the rollout gave nothing to earn: dropped like a skipped one
-            self.new_tokens = 0
             return False
         return self.new_tokens > 0 and self.buffer.num_train_tokens() >= self.cfg.min_buffer_tokens
 
     def _compare_due(self) -> bool:
-        """The drafter comparison (a diagnostic) runs with the rounds: not while they back off or cannot pay."""
-        return self.frozen is not None and bool(self.fresh_heldout) and not self.skip_left and self._may_pay()
-
-    def _round_budget(self) -> float | None:
-        """Seconds a round after the update may add to its step: the most a better drafter could earn over a turn,
-        the back-off's worth with a gain without bound (SD steps that took no time at all), i.e. plain decoding's
-        time for the SD steps' tokens, times every_k_steps. None: no bound (a spot round, which runs beside the
-        rollout; the back-off off). See the module doc."""
-        if self.spot or not self.cfg.backoff_max_steps:
-            return None
-        st = self.spec.stats()
-        return (st["spec_drafter_net_saved_s"] + st["spec_drafter_step_time_s"]) * self.cfg.every_k_steps
-
-    def _may_pay(self) -> bool:
-        """Whether this turn's budget exceeds what the latest round added to its step (0 before any round)."""
-        budget = self._round_budget()
-        return budget is None or budget > self.round_cost
-
-    def _back_off(self) -> dict[str, float]:
-        """Update the back-off after this step's rollout and round (see the module doc); its metrics."""
-        if not self.cfg.backoff_max_steps:
-            return {}
-        st = self.spec.stats()
-        gain = max(self._round_gain or 0.0, 0.0)
-        # a rollout's worth of the drafter: its SD steps' net saving (the n-gram arms' needs no drafter), plus what
-        # the gain saves on their tokens (accepting (1 + gain) times as many a step, they take 1 / (1 + gain) of
-        # their time), less the seconds spent keeping hidden states for it
-        worth = (st["spec_drafter_net_saved_s"] + st["spec_drafter_step_time_s"] * gain / (1 + gain)
-                 - st["spec_hidden_keep_time_s"])
-        if worth * self.cfg.every_k_steps > self.round_cost:  # SD pays for the rounds (one a turn): every turn
-            self.backoff_gap = self.skip_left = 0
-        elif self._round_gain is not None:  # a round got its verdict this step and does not pay for itself
-            self.backoff_gap = min(max(1, 2 * self.backoff_gap), self.cfg.backoff_max_steps)
-            self.skip_left = self.backoff_gap
-        return {"drafter/backoff_skip": float(self.skip_left), "drafter/backoff_worth_s": worth,
-                "drafter/round_cost_s": self.round_cost}
+        return self.frozen is not None and bool(self.fresh_heldout)
 
     def session_steps(self) -> int:
         steps = max(1, math.ceil(self.new_tokens / self.cfg.batch_tokens))
         return min(steps, self.max_steps) if self.max_steps is not None else steps
 
-    def train_session(self, step: int, budget: float | None = None) -> dict[str, float]:
-        """Train, evaluate old vs new on the held-out slice, publish or roll back. Returns drafter/* metrics.
-        budget: seconds after which no further drafter step starts (besides max_seconds)."""
-        return self._finish(step, *self._train(step, budget=budget))
+    def train_session(self, step: int) -> dict[str, float]:
+        """Train, evaluate old vs new on the held-out slice, publish or roll back. Returns drafter/* metrics."""
+        return self._finish(step, *self._train(step))
 
-    def _train(self, step: int, pause: threading.Event | None = None, budget: float | None = None):
+    def _train(self, step: int, pause: threading.Event | None = None):
         """The round's work on the training copy (a spot thread runs this): train on the buffer as it is. With
-        `pause`, each drafter step first waits until it is set (the trainer's update runs meanwhile); with `budget`,
-        no drafter step starts once the round's time would leave less of it than the evaluation before the steps
-        took, for the one after them (nor after max_seconds). A round that took no step is not evaluated again."""
+        `pause`, each drafter step first waits until it is set (the trainer's update runs meanwhile); no drafter
+        step starts after max_seconds. A round that took no step is not evaluated again."""
         t0 = time.perf_counter()
         last_gain = self.last_round_gain()
         if last_gain is not None and last_gain < 0:  # the last published round lost where the drafter is used:
             self.drafter.load_state_dict(self._before_last, strict=False)  # this one trains from the weights before it
         heldout = self.heldout()
         targets = TargetCache()  # before and after share the target's side (recomputed if the update ran between)
-        t_eval = time.perf_counter()
         old = self.trainer.evaluate(heldout, targets=targets) if heldout is not None else None
-        t_eval = time.perf_counter() - t_eval
         snapshot = {k: v.clone() for k, v in self.drafter.trainable_state_dict().items()}
-        if budget is not None:  # keep for the evaluation after the steps what the one before took, which also
-            budget -= t_eval    # computed the target's side they share (docs/design.md §5)
-        limits = [t0 + b for b in (self.max_seconds, budget) if b is not None]
-        deadline = min(limits) if limits else None
+        deadline = t0 + self.max_seconds if self.max_seconds is not None else None
         steps, self.new_tokens = self.session_steps(), 0
         def stop() -> bool:  # checked before every drafter step
             nonlocal deadline
@@ -354,8 +268,8 @@ class OnlineDrafterHook(DrafterHook):
     def last_round_gain(self) -> float | None:
         """What the last published round bought where it is used: the accept-length proxy of the published drafter
         over the weights that round started from, on the newest step's held-out responses (before training on
-        them), as a fraction; None without a published round to judge, fresh responses, or the back-off."""
-        fresh = self.fresh_batch() if self._before_last is not None and self.cfg.backoff_max_steps else None
+        them), as a fraction; None without a published round to judge or fresh responses."""
+        fresh = self.fresh_batch() if self._before_last is not None else None
         if fresh is None:
             return None
         batch, targets = fresh
@@ -375,10 +289,10 @@ class OnlineDrafterHook(DrafterHook):
         # the last published round was judged worse on fresh responses: _train started this one from the weights
         # before it (snapshot), which the engine gets back if this round is refused
         reverted = last_gain is not None and last_gain < 0
-        # the gain the bandit was handed for the engine's weights over the snapshot's (the undone round's), so that
+        # the gain the policy was handed for the engine's weights over the snapshot's (the undone round's), so that
         # the gains it multiplies up stay measured one way: each round's own held-out slice
         credited = self._published_gain if reverted else 0.0
-        if publish:  # with the gain on the held-out slice: closed buckets reopen only where it could pay
+        if publish:  # with the gain on the held-out slice: parked drafter arms get a trial only where it could pay
             gain = None if old is None or new is None else new["accept_proxy"] / old["accept_proxy"] - 1
             if gain is not None:  # over the engine's weights, not the snapshot's
                 gain = None if credited is None else (1 + gain) / (1 + credited) - 1
@@ -391,15 +305,9 @@ class OnlineDrafterHook(DrafterHook):
                "drafter/reverted": float(reverted), "drafter/train_time_s": seconds}
         if last_gain is not None:  # the last published round, judged on responses to prompts it never saw
             out["drafter/last_round_gain"] = last_gain
-            self._round_gain = last_gain
-        elif self._before_last is None:  # no published round yet: this one's own held-out slice (without
-            # held-out data no verdict: the back-off is inert)
-            self._round_gain = None if old is None or new is None else new["accept_proxy"] / old["accept_proxy"] - 1
-        else:  # a published round but no fresh responses to judge it by: no verdict, the back-off stays as it is
-            self._round_gain = None
         if reverted and not publish:  # the engine is back on the weights before the judged round: nothing to judge
             self._before_last = None
-        if publish and self.cfg.backoff_max_steps:  # a refused round leaves the published weights, and the judge
+        if publish:  # a refused round leaves the published weights, and the judge
             self._before_last = snapshot
         if stats.last is not None:
             self.last_train = {"drafter/loss": stats.last.loss, "drafter/acc": stats.last.acc}
@@ -426,7 +334,6 @@ class OnlineDrafterHook(DrafterHook):
         return {"drafter": published, "optimizer": self.trainer.opt.state_dict(), "version": self.version,
                 "drafter_steps": self.trainer.total_steps, "generator": self.trainer.generator.get_state(),
                 "last_train": dict(self.last_train), "new_tokens": self.new_tokens, "last_step": self.last_step,
-                "backoff": [self.backoff_gap, self.skip_left], "round_cost": self.round_cost,
                 "published_gain": self._published_gain,
                 "before_last": None if self._before_last is None else {k: v.detach().to("cpu", copy=True) for k, v
                                                                        in self._before_last.items()},
@@ -452,10 +359,6 @@ class OnlineDrafterHook(DrafterHook):
         if state.get("buffer") is not None:  # left out by trainer.save_drafter_buffer=false: refills from rollouts
             self.buffer.load_state_dict(state["buffer"])
         self.new_tokens, self.last_step = int(state.get("new_tokens", 0)), int(state.get("last_step", 0))
-        # a run resumed with a lower backoff_max_steps (0: off) does not wait out the checkpoint's longer skip
-        cap = self.cfg.backoff_max_steps
-        self.backoff_gap, self.skip_left = (min(int(v), cap) for v in state.get("backoff", [0, 0]))
-        self.round_cost = float(state.get("round_cost", 0.0))
         self._published_gain = state.get("published_gain")
         before = state.get("before_last")
         self._before_last = None if before is None else {k: v.to(self.drafter.fc.weight.device) for k, v in

@@ -2,8 +2,8 @@
 
     engine.add_request(prompt_ids, params) ... while engine.has_unfinished(): finished += engine.step()
 
-A speculative decoder (tlt.speculative) can take over decode steps through the engine's decode-step interface
-(attach_speculator and the methods below it). It is exact: at temperature 0 it emits the very tokens plain decoding
+A speculative decoder (tlt.speculative) can take over decode steps through the seam below attach_speculator: it
+chooses a step's arm, proposes drafts and verifies them; the engine runs the target and commits. It is exact: at temperature 0 it emits the very tokens plain decoding
 would; at temperature > 0 every token is an exact draw from the same distribution, and a seeded
 request gets the very tokens plain decoding samples (drafter-invariant verification, where the forwards round
 alike: the fp32 CPU path); logprobs are the target's in all cases. Its tests check all of these.
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tlt.device import host_tensor
+from tlt.engine.clock import WallClock
 from tlt.engine.cuda_graph import GraphPool
 from tlt.engine.kv_cache import KVCache
 from tlt.engine.model_runner import ModelRunner
@@ -40,15 +41,23 @@ class EngineStats:
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
     hidden_copy_time_s: float = 0.0  # host copies of hidden states the requests asked for (drafter data)
-    # per k in SMALL_BATCHES, decode time while at most k sequences ran: the tail, the only part of a rollout that
-    # speculation can speed where a step's cost grows with the tokens it carries (docs/design.md §11)
-    decode_time_upto_bs: dict[int, float] = field(default_factory=lambda: dict.fromkeys(SMALL_BATCHES, 0.0))
+    # per running batch size: [decode steps, tokens emitted, seconds] (where a rollout's time goes)
+    decode_by_bs: dict[int, list] = field(default_factory=dict)
+    # SD steps' seconds by phase: propose (drafting), verify (the target's forward and acceptance), commit (K/V moves,
+    # hidden states, appending tokens), on the engine's clock
+    spec_phase_time_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def decode_time_upto_bs(self) -> dict[int, float]:
+        """Per k in SMALL_BATCHES, decode time while at most k sequences ran: the tail, the only part of a rollout
+        that speculation can speed where a step's cost grows with the tokens it carries (docs/design.md §11)."""
+        return {k: sum(s for bs, (_, _, s) in self.decode_by_bs.items() if bs <= k) for k in SMALL_BATCHES}
 
 
 class LLMEngine:
     def __init__(self, model: Decoder, eos_token_ids: list[int], max_num_seqs: int = 64,
                  max_model_len: int | None = None, kv_cache_tokens: int | None = None, seed: int = 0,
-                 enforce_eager: bool = False, attention: str = "auto"):
+                 enforce_eager: bool = False, attention: str = "auto", clock=None):
         self.model = model
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -62,8 +71,12 @@ class LLMEngine:
         self.kv = KVCache(model.cfg, max_num_seqs, self.dtype, self.device)
         self.scheduler = Scheduler(self.kv, max_num_seqs, kv_cache_tokens, self.max_model_len)
         # on CUDA, decode and verification replay captured graphs unless enforce_eager (vLLM's switch)
-        self.runner = ModelRunner(model, self.kv, cuda_graphs=not enforce_eager and self.device.type == "cuda")
+        # every step's cost: the device's clock, or a cost model's (tlt.engine.clock); the policy is given it
+        self.clock = clock if clock is not None else WallClock(self.device)
+        self.runner = ModelRunner(model, self.kv, cuda_graphs=not enforce_eager and self.device.type == "cuda",
+                                  clock=self.clock)
         self.spec = None  # a speculator (tlt.speculative.SpecDecoder), set by attach_speculator
+        self.hidden_records = False  # keep Sequence.hidden_record (attach_speculator)
         self.asleep = False  # sleep() freed the KV caches; add_request refuses until wake()
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -130,30 +143,28 @@ class LLMEngine:
     def wake(self) -> None:
         self.asleep = False
 
-    # ---- the decode-step interface a speculator drives ------------------------------------------------------
-    # A speculator (tlt.speculative.SpecDecoder) takes over decode steps through these methods only: it is told of
-    # requests, a new batch, prefills, plain steps and finished sequences (on_add, on_new_batch, on_prefill,
-    # on_plain_decode, on_tokens, on_finish), decides per step whether it runs it (wants_step, step), and runs a step
-    # with the calls below.
-    def attach_speculator(self, spec, slot_caches: tuple[KVCache, ...] = (), headroom: int = 0) -> None:
+    # ---- the speculator seam --------------------------------------------------------------------------------
+    # A speculator (tlt.speculative.SpecDecoder) proposes drafts and verifies them; the engine owns the sequences,
+    # their hidden-state records, the target's forwards, the K/V commit and the step's timing. It is told of
+    # requests and finished sequences (on_add, on_new_batch, on_tokens, on_finish), chooses each decode step's arm
+    # (choose), and is given the step's cost on the engine's clock (observe).
+    def attach_speculator(self, spec, slot_caches: tuple[KVCache, ...] = (), headroom: int = 0,
+                          hidden_records: bool = False) -> None:
         """Let `spec` take over decode steps; `slot_caches` (the drafter's KV cache) are slot-indexed like the
         target's and move with their rows when the scheduler compacts the batch; `headroom`: positions past a
-        sequence's worst-case length that its steps may write, reserved in every cache at admission."""
+        sequence's worst-case length that its steps may write, reserved in every cache at admission;
+        hidden_records: keep each running sequence's target hidden state at every position
+        (`Sequence.hidden_record`, the drafter's input)."""
         self.spec = spec
         for cache in slot_caches:
             self.scheduler.add_slot_cache(cache)
         self.scheduler.headroom = max(self.scheduler.headroom, headroom)
+        self.hidden_records = hidden_records
 
     @property
     def num_slots(self) -> int:
         """Rows of the KV cache: the most sequences that can run at once."""
         return self.kv.num_slots
-
-    @property
-    def requests_waiting(self) -> bool:
-        """Whether a request waits for a slot: a finished row's slot is then refilled; otherwise the batch only
-        shrinks."""
-        return bool(self.scheduler.waiting)
 
     @property
     def num_graph_captures(self) -> int:
@@ -173,26 +184,28 @@ class LLMEngine:
         engine runs eagerly (CPU, or enforce_eager=True): then the speculator runs eagerly too."""
         return self.runner.graphs.pool if self.runner.graphs is not None else None
 
-    def decode_forward(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A plain decode forward of the running rows -> (logits [B, V] fp32, hidden [B, H]); sample with
-        sample_and_append."""
-        return self.runner.decode(seqs)
-
     def tree_forward(self, seqs: list[Sequence], tokens: torch.Tensor, depths: torch.Tensor,
                      mask: torch.Tensor | None, nodes: torch.Tensor | None = None) -> torch.Tensor:
         """The target's forward over T candidate tokens per row placed after each row's cache (SD verification):
         tokens, depths [B, T] (position = num_cached + depth), mask [B, T, T] among them (None = causal) ->
-        hidden [B, T, H]. Their K/V land at num_cached + node index; commit_kv moves the accepted ones. nodes [B, T]
+        hidden [B, T, H]. Their K/V land at num_cached + node index; commit moves the accepted ones. nodes [B, T]
         bool: only these tokens are needed (each one's ancestors among them); where the model can compute them
         alone (ModelRunner.cached_forward) the others are not computed and their hidden states are zeros."""
         lens = [s.num_cached for s in seqs]
         self.kv.ensure_capacity(max(lens) + tokens.shape[1] + 1)
         n = host_tensor(lens, tokens.device)
-        return self.runner.cached_forward(tokens, n[:, None] + depths, n, mask, nodes)
+        return self.runner.cached_forward(tokens, n[:, None] + depths, n, mask, nodes, context=sum(lens))
 
-    def commit_kv(self, seqs: list[Sequence], paths: list[list[int]]) -> None:
-        """After tree_forward: move each row's accepted nodes (path, node indices from the root) to consecutive
-        positions after its cache and count them as cached."""
+    def commit(self, seqs: list[Sequence], result, logprobs: list[list[float]], hidden: torch.Tensor) -> list[Sequence]:
+        """After tree_forward and verification (result: tlt.speculative.verify.VerifyResult): move each row's
+        accepted nodes' K/V into place, keep their hidden states, append the emitted tokens."""
+        paths = result.paths
+        idx = host_tensor([[i for i, path in enumerate(paths) for _ in path], [n for path in paths for n in path]],
+                          hidden.device)
+        kept = list(hidden[idx[0], idx[1]].split([len(path) for path in paths]))  # one gather, per-row views
+        if self.hidden_records:
+            torch._foreach_copy_([s.hidden_record[s.num_cached:s.num_cached + len(k)] for s, k in zip(seqs, kept)],
+                                 kept)
         rows, src, dst = [], [], []
         for i, (s, path) in enumerate(zip(seqs, paths)):
             for j, node in enumerate(path):
@@ -202,39 +215,66 @@ class LLMEngine:
             self.runner.move_positions(rows, src, dst)
         for s, path in zip(seqs, paths):
             s.num_cached += len(path)
+        return self.append_tokens(seqs, result.emitted_ids, logprobs, kept)
+
+    def _keep_hidden(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        """A plain step's hidden states [B, H] into each row's record, at the position it just cached."""
+        if self.hidden_records:
+            torch._foreach_copy_([s.hidden_record[s.num_cached - 1] for s in seqs], list(hidden.unbind(0)))
+
+    def _start_records(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        """Prefill's hidden states [B, T, H] start each row's record, sized for its whole length and the headroom
+        (zeros where nothing was kept)."""
+        if self.hidden_records:
+            for i, s in enumerate(seqs):
+                s.hidden_record = hidden.new_zeros(s.max_total_len + self.scheduler.headroom, hidden.shape[-1])
+                s.hidden_record[:len(s.prompt_ids)] = hidden[i, :len(s.prompt_ids)]
 
     # ---- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()  # caches grown mid-step must be inference tensors everywhere they are touched
     def step(self) -> list[Sequence]:
         """Run one prefill or decode step; return the sequences that finished in it."""
         admitted = self.scheduler.admit()
-        t0 = time.perf_counter()
+        clock = self.clock
+        clock.start()
         if admitted:
             logits, last, hidden = self.runner.prefill(admitted)
-            if self.spec is not None:
-                self.spec.on_prefill(admitted, hidden)
+            self._start_records(admitted, hidden)
             done = self.sample_and_append(admitted, logits, last)
             self.stats.num_prefill_steps += 1
-            self.stats.prefill_time_s += time.perf_counter() - t0
+            self.stats.prefill_time_s += clock.stop("prefill")
         else:
             seqs = self.scheduler.running
-            if self.spec is not None and self.spec.wants_step(seqs):
-                done = self.spec.step(seqs)
-                self.stats.num_spec_steps += 1
-            else:
+            captures = self.num_graph_captures
+            arm = self.spec.choose(seqs) if self.spec is not None else None
+            if arm is None or arm.method == "off":
                 logits, hidden = self.runner.decode(seqs)
-                if self.spec is not None:
-                    self.spec.on_plain_decode(seqs, hidden)
+                self._keep_hidden(seqs, hidden)
                 done = self.sample_and_append(seqs, logits, hidden)
+                emitted, seconds = len(seqs), clock.stop("plain")
+            else:
+                draft = self.spec.propose(seqs, arm)
+                clock.mark("propose")
+                hidden = self.tree_forward(seqs, draft.tokens, draft.depths, draft.mask, draft.nodes)
+                result, logprobs = self.spec.verify(seqs, draft, hidden)
+                clock.mark("verify")
+                done = self.commit(seqs, result, logprobs, hidden)
+                clock.mark("commit")
+                emitted, seconds = sum(map(len, result.emitted_ids)), clock.stop("sd")
+                self.stats.num_spec_steps += 1
+                for phase, s in clock.phases.items():
+                    self.stats.spec_phase_time_s[phase] = self.stats.spec_phase_time_s.get(phase, 0.0) + s
+            if self.spec is not None:  # a step that captured a CUDA graph (once, many steps' cost) says nothing
+                self.spec.observe(seqs, arm, emitted, seconds, self.num_graph_captures != captures)
             self.stats.num_decode_steps += 1
-            dt = time.perf_counter() - t0
-            self.stats.decode_time_s += dt
-            for k in SMALL_BATCHES:
-                if len(seqs) <= k:
-                    self.stats.decode_time_upto_bs[k] += dt
-            if self.spec is not None:
-                self.spec.record_decode_time(dt)
+            self.stats.decode_time_s += seconds
+            by_bs = self.stats.decode_by_bs.setdefault(len(seqs), [0, 0, 0.0])
+            by_bs[0] += 1
+            by_bs[1] += emitted
+            by_bs[2] += seconds
         self.scheduler.finish(done)
+        for s in done:
+            s.hidden_record = None
         if self.spec is not None:
             self.spec.on_finish(done)
         return done
@@ -260,8 +300,6 @@ class LLMEngine:
         """Append emitted tokens per sequence (one, or several under speculation), applying stop rules in order.
         hidden: per sequence a [k, H] tensor of the states that produced its k tokens (or None)."""
         done = []
-        if self.spec is not None and not self.spec.capturing(len(seqs)):
-            hidden = None  # the speculator's bucket is closed: no drafter data from this step (docs/design.md §6)
         if hidden is not None and any(s.params.return_hidden_states for s in seqs):
             t0 = time.perf_counter()
             # the step's states in one host copy, bf16 (drafter data): a copy per row would wait for the device once
@@ -269,10 +307,7 @@ class LLMEngine:
             sizes = [len(h) for h in hidden]
             flat = hidden.flatten(0, 1) if isinstance(hidden, torch.Tensor) else torch.cat(list(hidden))
             hidden = flat.to("cpu", torch.bfloat16).split(sizes)
-            dt = time.perf_counter() - t0
-            self.stats.hidden_copy_time_s += dt
-            if self.spec is not None:
-                self.spec.charge_capture(len(seqs), dt)
+            self.stats.hidden_copy_time_s += time.perf_counter() - t0
         for i, (seq, toks, lps) in enumerate(zip(seqs, tokens, logprobs)):
             p = seq.params
             before = len(seq.output_ids)

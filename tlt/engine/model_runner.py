@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tlt.engine.clock import WallClock
 from tlt.engine.cuda_graph import GraphedForward
 from tlt.engine.kv_cache import KVCache
 from tlt.engine.sequence import Sequence
@@ -18,8 +19,9 @@ CPU_PREFILL_TOKENS = 512
 
 class ModelRunner:
     def __init__(self, model: Decoder, kv: KVCache, max_prefill_tokens: int | None = None,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, clock=None):
         self.model, self.kv = model, kv
+        self.clock = clock if clock is not None else WallClock(next(model.parameters()).device)
         self.device = next(model.parameters()).device
         # decode and verification forwards through captured CUDA graphs (tlt.engine.cuda_graph); None = eager
         self.graphs = GraphedForward(model, kv, capture=self.device.type == "cuda") if cuda_graphs else None
@@ -54,6 +56,7 @@ class ModelRunner:
             positions = torch.arange(Tc, device=self.device).expand(b - a, Tc)
             zero = torch.zeros(b - a, dtype=torch.long, device=self.device)
             parts.append(self.model(ids, positions, self.kv.view(zero, s0 + a)))
+            self.clock.forward("target", b - a, Tc, 0)
         # a group shorter than the longest prompt is padded with zeros (positions past a prompt are never read)
         hidden = torch.cat([F.pad(h, (0, 0, 0, T - h.shape[1])) for h in parts]) if len(parts) > 1 else parts[0]
         last = hidden[torch.arange(U), self._tensor(lens) - 1]
@@ -85,18 +88,21 @@ class ModelRunner:
         """One token for each running sequence (rows = slots 0..B-1) -> (logits [B, V] fp32, hidden [B, H])."""
         cached = self._tensor([s.num_cached for s in seqs])
         ids = self._tensor([[s.last_token] for s in seqs])
-        hidden = self.cached_forward(ids, cached[:, None], cached)[:, 0]
+        hidden = self.cached_forward(ids, cached[:, None], cached, context=sum(s.num_cached for s in seqs))[:, 0]
         for s in seqs:
             s.num_cached += 1
         return self.model.logits(hidden), hidden
 
     @torch.inference_mode()
     def cached_forward(self, ids: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
-                       tree_mask: torch.Tensor | None = None, nodes: torch.Tensor | None = None) -> torch.Tensor:
+                       tree_mask: torch.Tensor | None = None, nodes: torch.Tensor | None = None,
+                       context: int = 0) -> torch.Tensor:
         """A few new tokens a row over the cache (decode, SD verification): ids, positions [B, T], lens [B] cached
         tokens before them, tree_mask [B, T, T] or None (causal) -> last hidden state [B, T, H]; through a captured
         graph where one serves. nodes [B, T] bool (eager forwards): the tokens needed; where the model computes them
-        alone (Decoder.forward_nodes, the fused CPU layer) only those run, and the others' hidden states are zeros."""
+        alone (Decoder.forward_nodes, the fused CPU layer) only those run, and the others' hidden states are zeros.
+        context: the cached tokens the rows read, summed (what the clock charges)."""
+        self.clock.forward("target", *ids.shape, context)
         if self.graphs is not None and self.graphs.serves(*ids.shape):
             return self.graphs.forward(ids, positions, lens, tree_mask)
         view = self.kv.view(lens, tree_mask=tree_mask)

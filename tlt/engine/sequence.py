@@ -33,6 +33,10 @@ class Sequence:
     slot: int = -1                    # KV-cache slot while running
     num_cached: int = 0               # tokens whose K/V are in the cache
     max_model_len: int | None = None  # the engine's context limit: generation stops there whatever max_tokens
+    # kept while running, for a drafter: the target's hidden state at every position [max_total_len + headroom, H]
+    # (zeros where none was kept), and how many positions the drafter's cache holds (1..draft_cached)
+    hidden_record: torch.Tensor | None = None
+    draft_cached: int = 0
 
     @property
     def num_tokens(self) -> int:

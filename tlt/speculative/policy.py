@@ -1,0 +1,301 @@
+"""The adaptive speculation policy: per batch-size bucket, the arm with the best measured speed (docs/design.md §6).
+
+A pure object of what it observed. Each decode step the engine asks `choose(batch_size)` for an arm (a drafting
+strategy, or "off": plain decoding) and reports `observe(batch_size, arm, tokens, seconds)`: the tokens the step
+emitted over its rows and its cost on the engine's clock. Time is injected; nothing here reads a clock.
+
+Value: an arm's speed relative to plain decoding at the same batch sizes over its last `window` steps,
+sum(tokens_i / bs_i * t(bs_i)) / sum(seconds_i), where t(bs) is a plain step's cost there (the median of the last
+plain steps at bs; PlainCosts). "off" is 1. Raw tokens per second would compare steps taken at different batch
+sizes of one bucket.
+
+Choice, at or below `bs_threshold` (above it: "off"):
+  1. a trial: an arm whose record holds fewer than `min_steps` steps since it was emptied, in table order ("off"
+     first: it prices the others), unless the prior says it cannot pay (`could_pay`: where not to look);
+  2. "off", where the chosen SD arm would be priced without a plain step at this batch size, or none ran in the last
+     `refresh` choices (the price follows the machine);
+  3. the active arm of highest score, its value x (1 + explore * sqrt(ln n / its steps)), n the bucket's choices
+     (UCB: an arm with few steps on record is tried until they say it is worse; the bonus, the exploration, decays
+     as its steps accrue, and a new drafter's arms, their records cut, are explored again); "off" scores 1 and wins
+     ties.
+Parking, the one mechanism for anything that stopped paying: an SD arm judged below 1 is parked (neither chosen nor
+explored). It is tried again (a probe: a fresh trial) once its bucket has decoded 1 / `probe` times the seconds it
+lost, doubled for each probe in a row that found it losing (up to 2 ** backoff), or at once when new drafters have
+grown its accept length enough since it was parked for it to pay (`drafter_changed(gain)`). A bucket whose SD arms
+are all parked decodes plainly. `explain()` says per bucket and arm what the record holds and why it runs or not.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+METHODS = ("eagle_chain", "eagle_tree", "ngram", "off")
+DRAFTER_METHODS = ("eagle_chain", "eagle_tree")  # the arms that draft with the learned drafter
+PRICE_STEPS = 8  # plain steps at a batch size whose median prices a plain step there
+PRIOR_STEPS = 4  # a new drafter's arms keep their last steps with the old one as a prior
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    method: str                # one of METHODS
+    depth: int = 0             # drafting steps (tree depth / chain length)
+    topk: int = 1              # children expanded per node (trees)
+    num_draft_tokens: int = 0  # verify budget: draft tokens sent to the target per row (root excluded)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"arm {self.name!r}: method {self.method!r} is not one of {METHODS}")
+
+
+OFF = Arm("off", "off")
+
+
+class PlainCosts:
+    """A plain step's seconds by batch size, from every plain step (above bs_threshold too): the median of the last
+    PRICE_STEPS at each batch size, linear between measured ones, and past the largest along the slope of the upper
+    half of them (never falling). It prices an arm's tokens and, for the prior, a verify forward of bs rows x T
+    tokens as a plain step of bs * T rows (a forward's cost follows its tokens)."""
+
+    def __init__(self):
+        self.steps: dict[int, deque] = {}
+        self.median: dict[int, float] = {}
+
+    def add(self, bs: int, seconds: float) -> None:
+        steps = self.steps.setdefault(bs, deque(maxlen=PRICE_STEPS))
+        steps.append(seconds)
+        self.median[bs] = statistics.median(steps)
+
+    def __call__(self, n: float) -> float:
+        m = self.median
+        if n in m:
+            return m[n]
+        xs = sorted(m)
+        i = bisect.bisect_left(xs, n)
+        if i == 0:
+            return m[xs[0]]
+        if i < len(xs):
+            lo, hi = xs[i - 1], xs[i]
+            return m[lo] + (n - lo) / (hi - lo) * (m[hi] - m[lo])
+        top = [x for x in xs if x >= xs[-1] / 2]
+        mean = sum(top) / len(top)
+        var = sum((x - mean) ** 2 for x in top)
+        slope = sum((x - mean) * m[x] for x in top) / var if var else 0.0
+        return m[xs[-1]] + max(slope, 0.0) * (n - xs[-1])
+
+
+@dataclass
+class ArmRecord:
+    """One arm in one bucket: its last steps, the sums its value reads, and its parking."""
+    arm: Arm
+    steps: deque = field(default_factory=deque)  # (bs, tokens, seconds)
+    seconds: float = 0.0
+    sums: dict[int, list] = field(default_factory=dict)  # batch size -> [steps, sum of tokens / bs]
+    chosen: int = 0
+    parked_for: float | None = None  # seconds its bucket decodes before its probe; None: active
+    waited: float = 0.0              # seconds its bucket decoded since it was parked
+    parked_value: float = 0.0        # its value when parked
+    grown: float = 1.0               # its drafter's accept-length growth since then (drafter_changed's gains)
+    misses: int = 0                  # probes in a row that found it losing
+    probing: bool = False            # active for a probe (judged at the end of its trial)
+
+    def add(self, step: tuple, window: int) -> None:
+        if len(self.steps) == window:
+            self.drop_oldest()
+        self.steps.append(step)
+        self._count(step, 1)
+
+    def drop_oldest(self) -> None:
+        step = self.steps.popleft()
+        self._count(step, -1)
+        if not self.sums[step[0]][0]:
+            del self.sums[step[0]]  # no float residue of a batch size that left the window
+        if not self.steps:
+            self.seconds = 0.0
+
+    def _count(self, step: tuple, sign: int) -> None:
+        bs, tokens, seconds = step
+        self.seconds += sign * seconds
+        s = self.sums.setdefault(bs, [0, 0.0])
+        s[0] += sign
+        s[1] += sign * tokens / bs
+
+    def keep_last(self, n: int) -> None:
+        while len(self.steps) > n:
+            self.drop_oldest()
+
+    def tokens_per_row(self) -> float:
+        """Tokens a row emitted a step over the window (the accept length, bonus token included)."""
+        return sum(s[1] for s in self.sums.values()) / max(len(self.steps), 1)
+
+    def unpark(self) -> None:
+        """A probe: active again with an empty record (a fresh trial)."""
+        self.keep_last(0)
+        self.parked_for, self.probing, self.grown = None, True, 1.0
+
+
+@dataclass
+class Bucket:
+    lo: int
+    hi: float
+    arms: list[ArmRecord]
+    choices: int = 0      # choices made there (the exploration bonus's log)
+    since_off: int = 0    # choices since "off" was chosen (refresh)
+
+    @property
+    def name(self) -> str:
+        if self.hi == math.inf:
+            return f"bs>={self.lo}"
+        return f"bs{self.lo}" if self.lo == self.hi else f"bs{self.lo}-{int(self.hi)}"
+
+
+class AdaptivePolicy:
+    def __init__(self, bounds: Sequence[float], arms: Sequence[Sequence[Arm]], bs_threshold: int | None = None,
+                 explore: float = 0.25, window: int = 64, min_steps: int = 4, refresh: int = 64, probe: float = 0.01,
+                 backoff: int = 4):
+        if len(bounds) != len(arms) or list(bounds) != sorted(bounds) or bounds[-1] != math.inf:
+            raise ValueError(f"bounds must increase to inf, one list of arms each; got {list(bounds)}")
+        for table in arms:
+            names = [a.name for a in table]
+            if not table or len(set(names)) != len(names):
+                raise ValueError(f"a bucket needs at least one arm and unique names, got {names}")
+        self.bs_threshold, self.explore, self.window = bs_threshold, explore, window
+        self.min_steps = min_steps
+        self.refresh, self.probe, self.backoff = refresh, probe, backoff
+        self.price = PlainCosts()
+        self.accepted: dict[tuple[str, int], float] = {}  # (method, depth) -> tokens a row a step, best bucket
+        self.buckets = [Bucket(1 if i == 0 else int(bounds[i - 1]) + 1, hi, [ArmRecord(a) for a in table])
+                        for i, (hi, table) in enumerate(zip(bounds, arms))]
+
+    def bucket(self, bs: int) -> Bucket:
+        return next(b for b in self.buckets if bs <= b.hi)
+
+    def value(self, rec: ArmRecord) -> float:
+        """The arm's speed relative to plain decoding over its record; -inf before a priced step."""
+        if rec.arm.method == "off":
+            return 1.0
+        if not rec.steps or not self.price.median:
+            return -math.inf
+        return sum(t * self.price(bs) for bs, (_, t) in rec.sums.items()) / max(rec.seconds, 1e-12)
+
+    def plain_seconds(self, bs: int, tokens: float) -> float | None:
+        """What plain decoding takes for `tokens` emitted at batch size bs; None before any plain step."""
+        return tokens / bs * self.price(bs) if self.price.median else None
+
+    def could_pay(self, bs: int, arm: Arm) -> bool:
+        """The prior, where not to look: whether the arm could beat plain decoding at bs with the most tokens a row
+        its method has been seen to accept at its depth or deeper (any bucket; 1 + depth where none), were its step
+        as cheap as its verify forward alone, priced as a plain step of bs * (1 + num_draft_tokens) rows."""
+        seen = [t for (method, depth), t in self.accepted.items() if method == arm.method and depth >= arm.depth]
+        tokens = min(max(seen, default=math.inf), 1.0 + arm.depth)
+        return not self.price.median or tokens * self.price(bs) >= self.price(bs * (1 + arm.num_draft_tokens))
+
+    # ---- choosing ---------------------------------------------------------------------------------------------
+    def choose(self, bs: int) -> Arm:
+        if self.bs_threshold is not None and bs > self.bs_threshold:
+            return OFF
+        b = self.bucket(bs)
+        off = off_in(b)
+        active = [r for r in b.arms if r.parked_for is None
+                  and (r is off or self._tried(r) or self.could_pay(bs, r.arm))]
+        rec = next((r for r in active if not self._tried(r)), None)  # a trial
+        if rec is None:
+            rec = max(active, key=lambda r: self.score(b, r))
+        if off is not None and rec is not off and (bs not in self.price.median or b.since_off >= self.refresh):
+            rec = off  # keep the price it is judged by current
+        b.choices += 1
+        b.since_off = 0 if rec is off else b.since_off + 1
+        rec.chosen += 1
+        return rec.arm
+
+    def _tried(self, rec: ArmRecord) -> bool:
+        """Whether the record holds a trial's worth of steps."""
+        return len(rec.steps) >= self.min_steps
+
+    def score(self, b: Bucket, rec: ArmRecord) -> float:
+        """value x (1 + explore * sqrt(ln(n) / its steps)), n the bucket's choices: an arm with few steps on record is
+        chosen until they say it is worse (UCB); "off", the reference, gets no bonus and wins ties."""
+        if rec.arm.method == "off":
+            return 1.0
+        return self.value(rec) * (1.0 + self.explore * math.sqrt(math.log(1 + b.choices) / max(len(rec.steps), 1)))
+
+    def _best(self, active: list[ArmRecord], off: ArmRecord | None) -> ArmRecord:
+        best = max(active, key=self.value)
+        return off if off is not None and self.value(best) <= 1.0 else best
+
+    # ---- observing ----------------------------------------------------------------------------------------------
+    def observe(self, bs: int, arm: Arm, tokens: float, seconds: float) -> None:
+        """A step of `arm` at batch size bs emitted `tokens` over its rows in `seconds`."""
+        if arm.method == "off":
+            self.price.add(bs, seconds)
+        if self.bs_threshold is not None and bs > self.bs_threshold:
+            return
+        b = self.bucket(bs)
+        for r in b.arms:
+            if r.parked_for is not None:
+                r.waited += seconds
+                if r.waited >= r.parked_for:
+                    r.unpark()
+        rec = next(r for r in b.arms if r.arm == arm)
+        rec.add((bs, tokens, seconds), self.window)
+        if arm.method != "off":
+            self.accepted[(arm.method, arm.depth)] = max(
+                r.tokens_per_row() for bb in self.buckets for r in bb.arms if r.arm == arm and r.steps)
+            if self._tried(rec) and off_in(b):
+                self._judge(rec)
+
+    def _judge(self, rec: ArmRecord) -> None:
+        """Park an SD arm that loses to plain decoding; end a probe's back-off where it pays."""
+        value = self.value(rec)
+        if value >= 1.0:
+            if rec.probing:
+                rec.probing, rec.misses = False, 0
+            return
+        if rec.probing:
+            rec.misses += 1
+        wait = rec.seconds * (1.0 - max(value, 0.0)) / self.probe if self.probe else math.inf
+        rec.parked_for, rec.waited, rec.probing = wait * 2 ** min(rec.misses, self.backoff), 0.0, False
+        rec.parked_value, rec.grown = value, 1.0
+
+    def drafter_changed(self, gain: float | None = None) -> None:
+        """A new drafter, accepting (1 + gain) times the tokens the old one did (None: unknown): its arms keep their
+        last PRIOR_STEPS steps (so their exploration bonus grows again), and a parked one probes now if the growth
+        since it was parked would make it pay (always, where unknown)."""
+        for b in self.buckets:
+            for r in b.arms:
+                if r.arm.method not in DRAFTER_METHODS:
+                    continue
+                r.keep_last(PRIOR_STEPS)
+                if r.parked_for is not None:
+                    r.grown = math.inf if gain is None else r.grown * max(1.0 + gain, 0.0)
+                    if r.parked_value * r.grown >= 1.0:
+                        r.unpark()
+                        r.misses, r.probing = 0, False
+
+    # ---- reading ------------------------------------------------------------------------------------------------
+    def parked_buckets(self) -> list[str]:
+        """Buckets that decode plainly because every SD arm there is parked."""
+        return [b.name for b in self.buckets if off_in(b) and len(b.arms) > 1
+                and all(r.parked_for is not None for r in b.arms if r.arm.method != "off")]
+
+    def explain(self) -> dict[str, dict[str, dict]]:
+        """{bucket: {arm: {steps, value, chosen, state}}}: what each arm's record holds and why it runs or not."""
+        out = {}
+        for b in self.buckets:
+            best = self._best([r for r in b.arms if r.parked_for is None], off_in(b))
+            out[b.name] = {r.arm.name: {
+                "steps": len(r.steps), "value": round(self.value(r), 3), "score": round(self.score(b, r), 3),
+                "chosen": r.chosen,
+                "state": ("best" if r is best else "active") if r.parked_for is None else
+                f"parked: probe in {max(r.parked_for - r.waited, 0):.3g} s (after {r.misses} misses)"}
+                for r in b.arms}
+        return out
+
+
+def off_in(b: Bucket) -> ArmRecord | None:
+    """The bucket's "off" arm (a fixed-arm table has none: nothing to price or park against)."""
+    return next((r for r in b.arms if r.arm.method == "off"), None)
