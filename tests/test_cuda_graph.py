@@ -5,7 +5,7 @@ import torch
 
 import tlt
 from tests.spec_util import quick_drafter
-from tlt.engine.cuda_graph import GraphedForward, GraphPool
+from tlt.engine.cuda_graph import GraphedForward, GraphPool, width
 from tlt.speculative.config import SpecConfig
 from tlt.speculative.spec_decoder import SpecDecoder
 
@@ -52,13 +52,14 @@ def _check_same(eager, graphed, prompts, kinds, **params):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_padded_static_decode_matches_eager(tiny_llama_dir, temperature):
-    """Batches of 5 down to 1 rows run in buckets 8, 4, 2, 1 over a cache allocated for all 16 slots, with the mask
-    over the whole capacity: the same tokens (greedy, and seeded sampling) and log-probs as the eager engine."""
+    """Batches of 5 down to 1 rows run in buckets 8, 4, 2, 1 over a cache holding the largest bucket's 8 slots (of
+    16), with the mask over the whole capacity: the same tokens (greedy, and seeded sampling) and log-probs as the
+    eager engine."""
     eager, graphed = _pair(tiny_llama_dir, "cpu", graphed_capture=False)
     prompts, kinds = _requests()
     graphs = _check_same(eager, graphed, prompts, kinds, temperature=temperature, seed=3)
-    assert {(b, t) for b, t, _ in graphs.graphs} >= {(8, 1), (4, 1), (2, 1), (1, 1)}
-    assert graphed.engine.kv.slots == 16 and graphed.engine.kv.capacity % 256 == 0
+    assert {(b, shape[1]) for b, shape in graphs.set.graphs} >= {(8, 1), (4, 1), (2, 1), (1, 1)}
+    assert graphed.engine.kv.slots == 8 and graphed.engine.kv.capacity % 256 == 0
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +70,14 @@ def cpu_drafter(tiny_llama_dir):
 
 @pytest.mark.parametrize("arm", [CHAIN, TREE], ids=["chain", "tree"])
 def test_padded_static_verification_matches_eager(tiny_llama_dir, cpu_drafter, arm):
-    """Speculative steps (a chain of 3, a top-4 tree of 24 drafts: tree-masked forwards of 4 and 25 tokens a row)
-    through the padded static forward: the same greedy tokens as eager SD and as plain decoding."""
+    """Speculative steps (a chain of 3, a top-4 tree of 24 drafts: tree-masked forwards of 4 and 25 tokens a row,
+    padded to widths 5 and 33) through the padded static forward: the same greedy tokens as eager SD and as plain
+    decoding."""
     eager, graphed = _pair(tiny_llama_dir, "cpu", graphed_capture=False, drafter=cpu_drafter, arm=arm)
     prompts, kinds = _requests(seed=1)
     graphs = _check_same(eager, graphed, prompts, kinds, temperature=0.0)
     T = 1 + arm.get("num_draft_tokens", arm["num_speculative_tokens"])
-    assert any(t == T and tree for _, t, tree in graphs.graphs)
+    assert any(shape == ("forward", width(T), True) for _, shape in graphs.set.graphs)
     assert bool(graphs.moves.graphs) == (arm is TREE)  # the commit's K/V moves, padded (a chain moves nothing)
     plain = tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=16)
     _check_same(plain, graphed, prompts, kinds, temperature=0.0)
@@ -85,7 +87,7 @@ def test_bucket_never_exceeds_the_slots(tiny_llama_dir):
     llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=10)
     g = GraphedForward(llm.engine.model, llm.engine.kv, capture=False)
     assert [g.bucket(b) for b in (1, 3, 5, 9, 10)] == [1, 4, 8, 10, 10]
-    assert not g.serves(11, 1) and not g.serves(4, 65) and g.serves(10, 64)
+    assert not g.serves(11, 1) and not g.serves(4, 66) and g.serves(10, 65)
 
 
 @cuda
@@ -96,7 +98,7 @@ def test_cuda_graphs_match_eager_on_gpu(tiny_llama_dir, temperature):
     graphed = tlt.LLM(tiny_llama_dir, dtype="float32", device="cuda", max_num_seqs=16)
     prompts, kinds = _requests()
     graphs = _check_same(eager, graphed, prompts, kinds, temperature=temperature, seed=3)
-    assert graphs.num_captured >= 4 and all(g.graph is not None for g in graphs.graphs.values())
+    assert graphs.num_captured >= 4 and all(g.graph is not None for g in graphs.set.graphs.values())
 
 
 @cuda
@@ -106,7 +108,7 @@ def test_cuda_graph_verification_on_gpu(tiny_llama_dir, cpu_drafter, arm):
     prompts, kinds = _requests(seed=1)
     graphs = _check_same(eager, graphed, prompts, kinds, temperature=0.0)
     T = 1 + arm.get("num_draft_tokens", arm["num_speculative_tokens"])
-    assert any(t == T and tree for _, t, tree in graphs.graphs) and graphs.num_captured > 0
+    assert any(shape == ("forward", width(T), True) for _, shape in graphs.set.graphs) and graphs.num_captured > 0
 
 
 @cuda
@@ -229,15 +231,10 @@ def test_the_policy_skips_steps_that_captured_a_graph(tiny_llama_dir, cpu_drafte
     each new shape counts as one, and the step runs the static forward uncaptured."""
     events = []
 
-    def fake_capture(self, g):
-        self.num_captured += 1
-        events.append("capture")
-
-    def fake_pool_capture(self, run):  # the other graphs (SD's KV commit)
+    def fake_pool_capture(self, run):
         self.num_captured += 1
         events.append("capture")
         return None, run()
-    monkeypatch.setattr(GraphedForward, "_capture", fake_capture)
     monkeypatch.setattr(GraphPool, "capture", fake_pool_capture)
     llm = tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=16)
     llm.engine.runner.graphs = GraphedForward(llm.engine.model, llm.engine.kv, capture=True)
@@ -298,3 +295,62 @@ def test_padded_kv_moves_equal_the_cache_moves(tiny_llama_dir, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
     assert all(torch.equal(a, b) for a, b in zip(results[0], results[2]))
     assert not all(torch.equal(a, b) for a, b in zip(results[0], results[3]))
+
+
+def _long_tail_graph_keys(path, monkeypatch, rows=64) -> int:
+    """The graph keys a long-tail rollout (rows stopping at lengths spread to 96 tokens, the batch shrinking from
+    `rows` to 1) needs through the static path, with the GPU arm table, SD at bs <= 32, and every arm of a bucket
+    taken in turn (a policy that explores everything): forwards, K/V moves, drafting and acceptance walks."""
+    import itertools
+
+    from tlt.speculative.drafter import Drafter
+    from tlt.speculative.policy import OFF, AdaptivePolicy
+
+    def fake_capture(self, run):
+        self.num_captured += 1
+        return None, run()
+    monkeypatch.setattr(GraphPool, "capture", fake_capture)
+    turn = itertools.count()
+    monkeypatch.setattr(AdaptivePolicy, "choose", lambda self, bs: OFF if bs > self.bs_threshold else
+                        (arms := self.bucket(bs).arms)[next(turn) % len(arms)].arm)
+    llm = tlt.LLM(path, dtype="float32", device="cpu", max_num_seqs=rows, enforce_eager=True)
+    eng = llm.engine
+    eng.runner.graphs = GraphedForward(eng.model, eng.kv, capture=True)
+    torch.manual_seed(0)
+    spec = SpecDecoder(eng, SpecConfig(method="eagle", arm_table="gpu", bs_threshold=32), Drafter(eng.model.cfg))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 128, (8,), generator=g).tolist() for _ in range(rows)]
+    llm.generate(prompts, [tlt.SamplingParams(temperature=1.0, max_tokens=max(1, round(96 * ((i + 1) / rows) ** 2)),
+                                              ignore_eos=True, seed=i) for i in range(rows)])
+    sets = (eng.runner.graphs.set, eng.runner.graphs.moves, spec.draft_graphs.set, spec.accept_graphs.set)
+    return sum(len(s.graphs) for s in sets)
+
+
+def _graph_bound(rows: int, bs_threshold: int) -> int:
+    """The most graph keys a rollout of up to `rows` rows can need with the GPU arm table: a decode graph per batch
+    bucket; at each bucket where SD runs, a verify graph per padded width, the two catch-up lengths, a drafting
+    graph per drafter arm and an acceptance walk per arm of the policy buckets it serves; a move graph per bucket of
+    moves (at most a bucket's rows x the widest tree's nodes)."""
+    from tlt.engine.cuda_graph import BUCKETS, width
+    from tlt.speculative.config import default_arm_table
+    from tlt.speculative.draft_graph import CATCH_UP_LENGTHS
+    bounds, table = default_arm_table("gpu")
+    graph_bucket = lambda b: min(next(x for x in BUCKETS if x >= b), rows)  # noqa: E731
+    total = len({graph_bucket(b) for b in range(1, rows + 1)})  # decode
+    for Bp in sorted({graph_bucket(b) for b in range(1, bs_threshold + 1)}):
+        arms = {a for b in range(1, bs_threshold + 1) if graph_bucket(b) == Bp
+                for a in table[next(i for i, hi in enumerate(bounds) if b <= hi)] if a.method != "off"}
+        total += len({width(1 + a.num_draft_tokens) for a in arms}) + len(CATCH_UP_LENGTHS)
+        total += sum(a.method != "ngram" for a in arms) + len(arms)
+    return total + len([x for x in BUCKETS if x <= bs_threshold * 49])
+
+
+def test_a_long_tail_rollout_needs_a_bounded_set_of_graphs(tiny_llama_dir, monkeypatch):
+    """Every capture costs 10-100 plain steps, so the graphs a rollout can need are bounded by the arm table and
+    the engine's buckets (_graph_bound: 99 keys from 64 rows), whatever the policy does: a rollout that explores
+    every arm stays within it. Control: catch-up passes graphed at every length up to 32 need more."""
+    bound = _graph_bound(64, 32)
+    keys = _long_tail_graph_keys(tiny_llama_dir, monkeypatch)
+    assert 20 < keys <= bound, (keys, bound)
+    monkeypatch.setattr("tlt.speculative.draft_graph.CATCH_UP_LENGTHS", tuple(range(1, 33)))
+    assert _long_tail_graph_keys(tiny_llama_dir, monkeypatch) > keys

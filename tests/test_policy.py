@@ -64,6 +64,9 @@ def test_plain_costs_interpolate_and_extrapolate_along_the_upper_slope():
         c.add(bs, s)
     assert [c(n) for n in (1, 3, 6, 16)] == [10.0, 11.0, 16.0, 36.0]
     assert c(32) == pytest.approx(36.0 + 2.0 * 16)  # the slope of bs 8..16
+    c.add(15, 900.0)  # one slow step beside the step at bs 16 (a first at a batch size) sets no price
+    c.add(17, 37.0)
+    assert c(16) == 37.0
     flat = PlainCosts()
     for bs in (1, 8, 16):
         flat.add(bs, 3.0)

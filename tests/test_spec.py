@@ -351,7 +351,7 @@ def test_a_step_is_priced_after_the_work_it_queued(sharp_llama, monkeypatch):
                        "ngram_row_s": 0.0,
                        "overhead_s": {"prefill": 0.0, "plain": 0.0, "sd": 0.5}}, model.cfg)
     llm = tlt.LLM(model, max_num_seqs=2, speculative_config=dict(TREE, model=drafter_dir))  # trees move K/V
-    llm.engine.clock = llm.engine.runner.clock = llm.spec.clock = _RecordingClock(costs, events)
+    llm.engine.use_clock(_RecordingClock(costs, events))
     move = ModelRunner.move_positions
     monkeypatch.setattr(ModelRunner, "move_positions", lambda self, *a: (events.append(("move",)), move(self, *a)))
     seen, observe = [], llm.spec.policy.observe

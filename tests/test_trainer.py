@@ -220,7 +220,7 @@ def test_failing_and_hanging_rewards_are_counted_and_run_goes_on(tmp_path, tiny_
 
 def test_speculative_rollouts_log_spec_metrics(tmp_path, tiny_dir):
     trainer = run(tmp_path, tiny_dir, **{"speculative.enabled": True, "speculative.method": "ngram",
-                                         "speculative.bs_threshold": 64, 
+                                         "speculative.adaptive": False,  # SD every step, whatever it pays here
                                          "trainer.total_steps": 1})
     metrics = read_metrics(trainer)[0]
     assert metrics["rollout/num_spec_steps"] > 0 and metrics["rollout/spec_accept_length"] >= 1.0
@@ -452,7 +452,8 @@ def test_smoke_recipe_with_eagle_sd_and_online_drafter(tmp_path, monkeypatch, ca
     assert [m["step"] for m in lines] == [0, 1, 2, 3]  # step 0: held-out accuracy before training
     assert "val/accuracy" in lines[0] and "val/accuracy" in lines[-1]
     steps = lines[1:]
-    assert all(m["critic/score/mean"] is not None and m["rollout/num_spec_steps"] > 0 for m in steps)
+    # every step's rollout went through the speculator (whether the policy chose SD steps follows this CPU's timings)
+    assert all(m["critic/score/mean"] is not None and "rollout/spec_on_fraction" in m for m in steps)
     for key in ("drafter/steps", "drafter/train_time_s", "drafter/published", "drafter/version",
                 "drafter/buffer_tokens", "drafter/loss", "drafter/acc", "drafter/accept_proxy",
                 "rollout/spec_accept_length", "rollout/spec_on_fraction", "rollout/decode_time_tail_s"):
@@ -520,12 +521,12 @@ def test_online_drafter_refuses_a_worse_drafter(tmp_path, tiny_dir):
     from tlt.drafter_train.online import OnlineDrafterHook
 
     class AlwaysWorse(OnlineDrafterHook):
-        def train_session(self, step, budget=None):
+        def train_session(self, step):
             evaluate = self.trainer.evaluate
             scores = iter([{"acc": 0.9, "accept_proxy": 2.0}, {"acc": 0.1, "accept_proxy": 1.0}])
             self.trainer.evaluate = lambda batch, **kw: {**evaluate(batch), **next(scores)}
             try:
-                return super().train_session(step, budget)
+                return super().train_session(step)
             finally:
                 self.trainer.evaluate = evaluate
 
@@ -752,11 +753,6 @@ def test_rl_steps_capture_each_cuda_graph_once(tmp_path, tiny_dir, monkeypatch, 
         captured.append(keys[-1])
         return None, run()
 
-    def fake_forward_capture(self, g):
-        self.num_captured += 1
-        captured.append((id(self), g.ids.shape, g.tree is not None))
-        g.out = self._run(g)
-
     def replay(self, shape, B, *a, **k):
         keys.append((id(self), self.bucket(B), shape))
         try:
@@ -764,15 +760,15 @@ def test_rl_steps_capture_each_cuda_graph_once(tmp_path, tiny_dir, monkeypatch, 
         finally:
             keys.pop()
 
-    def runner_init(self, model, kv, max_prefill_tokens=None, cuda_graphs=False):
-        runner_init_(self, model, kv, max_prefill_tokens)
+    def runner_init(self, model, kv, max_prefill_tokens=None, cuda_graphs=False, clock=None):
+        runner_init_(self, model, kv, max_prefill_tokens, clock=clock)
         self.graphs = GraphedForward(model, kv)  # as on CUDA
 
     set_replay, set_init, runner_init_ = GraphSet.replay, GraphSet.__init__, ModelRunner.__init__
     monkeypatch.setattr(GraphPool, "capture", fake_capture)
-    monkeypatch.setattr(GraphedForward, "_capture", fake_forward_capture)
     monkeypatch.setattr(GraphSet, "replay", replay)
-    monkeypatch.setattr(GraphSet, "__init__", lambda self, n, capture=True, pool=None: set_init(self, n, True, pool))
+    monkeypatch.setattr(GraphSet, "__init__", lambda self, n, capture=True, pool=None, static=True:
+                        set_init(self, n, static, pool, static))
     monkeypatch.setattr(ModelRunner, "__init__", runner_init)
     target = load_model(tiny_dir)
     torch.manual_seed(0)

@@ -77,21 +77,19 @@ def measure(args) -> dict:
     for _ in range(max(args.rows)):  # rows holding --context cached tokens each
         engine.add_request(torch.randint(1, V, (args.context,), generator=g).tolist(),
                            tlt.SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True))
-    while engine.scheduler.waiting:
+    while len(engine.running) < max(args.rows):  # prefill
         engine.step()
-    kv, runner = engine.kv, engine.runner
-    kv.ensure_capacity(args.context + max(args.tokens) + 1)
+    running = engine.running
     drafter = Drafter(model.cfg).attach(model).to(engine.dtype).eval()
     drafter.d2t = torch.arange(min(DRAFT_VOCAB, V))
     dcache = KVCache(model.cfg, max(args.rows), engine.dtype, device, num_layers=1)
     dcache.ensure_capacity(args.context + max(args.tokens) + 1, max(args.rows))
 
-    def target(B, T):
+    def target(B, T):  # the verify forward of T tokens a row over the rows' caches (not committed), its logits
         ids = torch.randint(1, V, (B, T), generator=g)
-        lens = torch.full((B,), args.context)
+        depths = torch.arange(T).expand(B, T)
         mask = torch.ones(B, T, T, dtype=torch.bool).tril() if T > 1 else None
-        return lambda: model.logits(runner.cached_forward(ids, lens[:, None] + torch.arange(T), lens, mask)
-                                    .flatten(0, 1))
+        return lambda: model.logits(engine.tree_forward(running[:B], ids, depths, mask).flatten(0, 1))
 
     def draft(B, T):
         ids, hid = torch.randint(1, V, (B, T), generator=g), torch.randn(B, T, H, dtype=engine.dtype)
@@ -141,9 +139,7 @@ def _overheads(llm, profile: dict, args) -> dict[str, float]:
         engine.step()  # prefill
         gaps = []
         for i in range(3 + args.repeats):
-            engine.clock = engine.runner.clock = VirtualClock(costs)
-            if engine.spec is not None:
-                engine.spec.clock = engine.clock
+            engine.use_clock(VirtualClock(costs))
             t0 = time.perf_counter()
             engine.step()
             if i >= 3:  # after warm-up steps

@@ -161,6 +161,17 @@ class LLMEngine:
         self.scheduler.headroom = max(self.scheduler.headroom, headroom)
         self.hidden_records = hidden_records
 
+    def use_clock(self, clock) -> None:
+        """Time the steps from now on with `clock` (tlt.engine.clock), the speculator's forwards too."""
+        self.clock = self.runner.clock = clock
+        if self.spec is not None:
+            self.spec.clock = clock
+
+    @property
+    def running(self) -> list[Sequence]:
+        """The running sequences, in slot order."""
+        return self.scheduler.running
+
     @property
     def num_slots(self) -> int:
         """Rows of the KV cache: the most sequences that can run at once."""

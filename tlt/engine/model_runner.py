@@ -122,4 +122,4 @@ class ModelRunner:
     @property
     def num_graph_captures(self) -> int:
         """CUDA graphs captured so far (a capturing step costs many plain steps, once)."""
-        return 0 if self.graphs is None else self.graphs.num_captured + self.graphs.moves.num_captured
+        return 0 if self.graphs is None else self.graphs.num_captured

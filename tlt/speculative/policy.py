@@ -56,36 +56,55 @@ OFF = Arm("off", "off")
 
 
 class PlainCosts:
-    """A plain step's seconds by batch size, from every plain step (above bs_threshold too): the median of the last
-    PRICE_STEPS at each batch size, linear between measured ones, and past the largest along the slope of the upper
-    half of them (never falling). It prices an arm's tokens and, for the prior, a verify forward of bs rows x T
-    tokens as a plain step of bs * T rows (a forward's cost follows its tokens)."""
+    """A plain step's seconds by batch size, from every plain step (above bs_threshold too): at bs, the median of the
+    last PRICE_STEPS plain steps at batch sizes within a quarter of bs (one slow step, a process's first at a batch
+    size, does not set a price); linear between those, and past the largest along the slope of the upper half of
+    them (never falling). It prices an arm's tokens and, for the prior, a verify forward of bs rows x T tokens as a
+    plain step of bs * T rows (a forward's cost follows its tokens)."""
 
     def __init__(self):
         self.steps: dict[int, deque] = {}
-        self.median: dict[int, float] = {}
+        self.sizes: list[int] = []  # the measured batch sizes, sorted
+        self.version = 0            # counts the steps added (what a cached value was priced at)
+        self._cache: dict[int, float] = {}
 
     def add(self, bs: int, seconds: float) -> None:
-        steps = self.steps.setdefault(bs, deque(maxlen=PRICE_STEPS))
-        steps.append(seconds)
-        self.median[bs] = statistics.median(steps)
+        if bs not in self.steps:
+            bisect.insort(self.sizes, bs)
+        self.steps.setdefault(bs, deque(maxlen=PRICE_STEPS)).append(seconds)
+        self.version += 1
+        for b in [b for b in self._cache if abs(b - bs) <= max(1, b // 4)]:  # the prices this step is near
+            del self._cache[b]
+
+    def __contains__(self, bs: int) -> bool:
+        return bs in self.steps
+
+    def __bool__(self) -> bool:
+        return bool(self.steps)
+
+    def at(self, bs: int) -> float:
+        """The median plain step near a measured batch size bs."""
+        if bs not in self._cache:
+            r = max(1, bs // 4)
+            near = sorted(x for b in range(bs - r, bs + r + 1) for x in self.steps.get(b, ()))
+            self._cache[bs] = near[(len(near) - 1) // 2]
+        return self._cache[bs]
 
     def __call__(self, n: float) -> float:
-        m = self.median
-        if n in m:
-            return m[n]
-        xs = sorted(m)
+        if n in self.steps:
+            return self.at(n)
+        xs = self.sizes
         i = bisect.bisect_left(xs, n)
         if i == 0:
-            return m[xs[0]]
+            return self.at(xs[0])
         if i < len(xs):
             lo, hi = xs[i - 1], xs[i]
-            return m[lo] + (n - lo) / (hi - lo) * (m[hi] - m[lo])
+            return self.at(lo) + (n - lo) / (hi - lo) * (self.at(hi) - self.at(lo))
         top = [x for x in xs if x >= xs[-1] / 2]
         mean = sum(top) / len(top)
         var = sum((x - mean) ** 2 for x in top)
-        slope = sum((x - mean) * m[x] for x in top) / var if var else 0.0
-        return m[xs[-1]] + max(slope, 0.0) * (n - xs[-1])
+        slope = sum((x - mean) * self.at(x) for x in top) / var if var else 0.0
+        return self.at(xs[-1]) + max(slope, 0.0) * (n - xs[-1])
 
 
 @dataclass
@@ -102,12 +121,14 @@ class ArmRecord:
     grown: float = 1.0               # its drafter's accept-length growth since then (drafter_changed's gains)
     misses: int = 0                  # probes in a row that found it losing
     probing: bool = False            # active for a probe (judged at the end of its trial)
+    cached: tuple = (-1, 0.0)        # (prices' version, value) of the record as it is
 
     def add(self, step: tuple, window: int) -> None:
         if len(self.steps) == window:
             self.drop_oldest()
         self.steps.append(step)
         self._count(step, 1)
+        self.cached = (-1, 0.0)
 
     def drop_oldest(self) -> None:
         step = self.steps.popleft()
@@ -116,6 +137,7 @@ class ArmRecord:
             del self.sums[step[0]]  # no float residue of a batch size that left the window
         if not self.steps:
             self.seconds = 0.0
+        self.cached = (-1, 0.0)
 
     def _count(self, step: tuple, sign: int) -> None:
         bs, tokens, seconds = step
@@ -178,13 +200,16 @@ class AdaptivePolicy:
         """The arm's speed relative to plain decoding over its record; -inf before a priced step."""
         if rec.arm.method == "off":
             return 1.0
-        if not rec.steps or not self.price.median:
+        if not rec.steps or not self.price:
             return -math.inf
-        return sum(t * self.price(bs) for bs, (_, t) in rec.sums.items()) / max(rec.seconds, 1e-12)
+        if rec.cached[0] != self.price.version:
+            value = sum(t * self.price(bs) for bs, (_, t) in rec.sums.items()) / max(rec.seconds, 1e-12)
+            rec.cached = (self.price.version, value)
+        return rec.cached[1]
 
     def plain_seconds(self, bs: int, tokens: float) -> float | None:
         """What plain decoding takes for `tokens` emitted at batch size bs; None before any plain step."""
-        return tokens / bs * self.price(bs) if self.price.median else None
+        return tokens / bs * self.price(bs) if self.price else None
 
     def could_pay(self, bs: int, arm: Arm) -> bool:
         """The prior, where not to look: whether the arm could beat plain decoding at bs with the most tokens a row
@@ -192,7 +217,7 @@ class AdaptivePolicy:
         as cheap as its verify forward alone, priced as a plain step of bs * (1 + num_draft_tokens) rows."""
         seen = [t for (method, depth), t in self.accepted.items() if method == arm.method and depth >= arm.depth]
         tokens = min(max(seen, default=math.inf), 1.0 + arm.depth)
-        return not self.price.median or tokens * self.price(bs) >= self.price(bs * (1 + arm.num_draft_tokens))
+        return not self.price or tokens * self.price(bs) >= self.price(bs * (1 + arm.num_draft_tokens))
 
     # ---- choosing ---------------------------------------------------------------------------------------------
     def choose(self, bs: int) -> Arm:
@@ -205,7 +230,7 @@ class AdaptivePolicy:
         rec = next((r for r in active if not self._tried(r)), None)  # a trial
         if rec is None:
             rec = max(active, key=lambda r: self.score(b, r))
-        if off is not None and rec is not off and (bs not in self.price.median or b.since_off >= self.refresh):
+        if off is not None and rec is not off and (bs not in self.price or b.since_off >= self.refresh):
             rec = off  # keep the price it is judged by current
         b.choices += 1
         b.since_off = 0 if rec is off else b.since_off + 1

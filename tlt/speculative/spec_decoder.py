@@ -27,11 +27,11 @@ from tlt.engine.sampler import HostRows, transform_logits
 from tlt.engine.sequence import Sequence
 from tlt.schema import ConfigError
 from tlt.speculative.config import SpecConfig
-from tlt.speculative.draft_graph import DraftShape, DraftStep, GraphedDrafter
+from tlt.speculative.draft_graph import CATCH_UP_LENGTHS, DrafterRunner, DraftShape, DraftStep
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.ngram import NgramDrafter
 from tlt.speculative.policy import DRAFTER_METHODS, Arm
-from tlt.speculative.tree_draft import draft_chain_sampled, draft_tree, draw_uniforms
+from tlt.speculative.tree_draft import draw_uniforms
 from tlt.speculative.verify import (VerifyResult, chain_to_tree, emitted_logprobs, tree_layout, uniforms_from,
                                     verify_deterministic, verify_stochastic)
 from tlt.speculative.verify_static import GraphedAcceptance, WalkShape, can_reserve, read, reserve
@@ -62,15 +62,15 @@ class SpecDecoder:
         self.policy = cfg.policy(has_drafter=drafter is not None, device_type=engine.device.type)
         self.dcache = KVCache(self.model.cfg, engine.num_slots, engine.dtype, engine.device, num_layers=1) \
             if drafter else None
-        # the drafter's per-depth forwards through CUDA graphs where the engine graphs its own (docs/design.md §9)
+        # the drafter's side of a step: through CUDA graphs where the engine graphs its own forwards, else eagerly,
+        # the same code (docs/design.md §9)
         pool = engine.graph_pool
-        self.draft_graphs = GraphedDrafter(self.drafter, self.dcache, capture=engine.device.type == "cuda",
-                                           pool=pool) if drafter is not None and pool is not None else None
+        self.draft_graphs = DrafterRunner(self.drafter, self.dcache, static=pool is not None,
+                                          capture=engine.device.type == "cuda", pool=pool) if drafter else None
         # logits, probabilities and the acceptance walk in graphs too, read once a step (tlt.speculative.verify_static)
         self.accept_graphs = GraphedAcceptance(self.model, engine.num_slots, capture=engine.device.type == "cuda",
                                                pool=pool) if pool is not None else None
-        # the eager catch-up's longest pass: a row's padding then stays within the headroom its caches reserve
-        self.catch_up_chunk = cfg.max_draft_len()
+        self.catch_up_chunk = CATCH_UP_LENGTHS[-1]  # the longest catch-up pass, in positions a row
         self.drafter_version = 0
         self.reset_stats()
         engine.attach_speculator(self, slot_caches=(self.dcache,) if self.dcache is not None else (),
@@ -123,7 +123,9 @@ class SpecDecoder:
     def disable_graphs(self) -> None:
         """Run the speculator's part of each step eagerly, the engine's own graphs kept (benchmarks compare)."""
         self.release_graphs()
-        self.draft_graphs = self.accept_graphs = None
+        self.accept_graphs = None
+        if self.drafter is not None:
+            self.draft_graphs = DrafterRunner(self.drafter, self.dcache, static=False)
 
     def release_graphs(self) -> None:
         """Drop the speculator's graphs (the engine's sleep frees the drafter cache they point into, and the pool)."""
@@ -177,7 +179,7 @@ class SpecDecoder:
         self.drafter.load_state_dict(state, strict=False)
         self.drafter_version += 1
         self.policy.drafter_changed(gain)
-        for s in self.engine.scheduler.running:  # the drafter cache was computed by the old weights: rebuild it
+        for s in self.engine.running:  # the drafter cache was computed by the old weights: rebuild it
             s.draft_cached = 0
 
     # ---- propose ----------------------------------------------------------------------------------------------
@@ -188,11 +190,11 @@ class SpecDecoder:
         if arm.method == "ngram":
             props = [self.ngram.propose(s.seq_id, arm.num_draft_tokens) for s in seqs]
             self.clock.forward("ngram", len(seqs), arm.num_draft_tokens, 0)
-            k = max(1, max(map(len, props)))
+            k = arm.num_draft_tokens  # every step of the arm one width (one graph), shorter drafts' nodes invalid
             draft = host_tensor([p + [0] * (k - len(p)) for p in props], dev)
             tokens, parents, valid = chain_to_tree(roots, draft, host_tensor([len(p) for p in props], dev))
             mask, depths = tree_layout(parents, valid)
-            nodes = valid if dev.type == "cpu" and any(len(p) < k for p in props) else None  # (a GPU's are graphed)
+            nodes = valid if dev.type == "cpu" and any(len(p) < k for p in props) else None  # (a GPU's: graphed)
             return Draft(arm, tokens, parents, valid, mask, depths, None, nodes)
         temp = host_tensor([s.params.temperature for s in seqs], dev)
         root_pred = self._drafter_catch_up(seqs)
@@ -204,22 +206,16 @@ class SpecDecoder:
     # ---- the drafter's cache and drafts ---------------------------------------------------------------------
     def _drafter_catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
         """Extend the drafter cache with (h_{t-1}, x_t) for every position t not in it yet, through each row's
-        last token n; return the drafter's predicted hidden state at n [B, H] (the tree root's)."""
-        starts = [s.draft_cached + 1 for s in seqs]     # first missing position per row
-        ends = [s.num_cached for s in seqs]                      # last token's position n
-        T = max(e - st + 1 for st, e in zip(starts, ends))
-        graphed = self.draft_graphs.catch_up_length(T) if self.draft_graphs is not None else None
-        if graphed:  # a graphed catch-up runs at one of a few padded lengths
-            return self._catch_up_pass(seqs, starts, ends, graphed, graphed=True)
-        # Eagerly, in passes of at most max_draft_len positions: every row is padded to the pass's length, so one
-        # pass over a newly admitted row's whole prompt would write a deep row's padding past the headroom its
-        # caches reserve (SpecConfig.cache_headroom), growing the drafter cache (docs/design.md §9).
-        chunk = self.catch_up_chunk
+        last token n; return the drafter's predicted hidden state at n [B, H] (the tree root's). In passes of at
+        most catch_up_chunk positions a row: every row is padded to its pass's length, which the headroom the caches
+        reserve past a row's end holds (SpecConfig.cache_headroom; docs/design.md §9)."""
+        starts = [s.draft_cached + 1 for s in seqs]  # first missing position per row
+        ends = [s.num_cached for s in seqs]          # last token's position n
         out = None
         while True:
-            stops = [min(e, st + chunk - 1) for st, e in zip(starts, ends)]
-            T = max(stop - st + 1 for st, stop in zip(starts, stops))
-            pred = self._catch_up_pass(seqs, starts, stops, T, graphed=False)
+            stops = [min(e, st + self.catch_up_chunk - 1) for st, e in zip(starts, ends)]
+            T = self.draft_graphs.catch_up_length(max(stop - st + 1 for st, stop in zip(starts, stops)))
+            pred = self._catch_up_pass(seqs, starts, stops, T)
             if out is None:
                 out = pred
             else:  # a row's prediction comes from the pass that reached its last position
@@ -229,13 +225,11 @@ class SpecDecoder:
             if all(st > e for st, e in zip(starts, ends)):
                 return out
 
-    def _catch_up_pass(self, seqs: list[Sequence], starts: list[int], ends: list[int], T: int,
-                       graphed: bool) -> torch.Tensor:
+    def _catch_up_pass(self, seqs: list[Sequence], starts: list[int], ends: list[int], T: int) -> torch.Tensor:
         """One drafter forward over positions starts..ends of each row (none where start > end), padded to T;
         returns the prediction at each row's last position [B, H] (undefined for a row with none)."""
         dev = self.engine.device
-        H = self.model.cfg.hidden_size
-        hid = torch.zeros(len(seqs), T, H, dtype=self.engine.dtype, device=dev)
+        hid = torch.zeros(len(seqs), T, self.model.cfg.hidden_size, dtype=self.engine.dtype, device=dev)
         torch._foreach_copy_([hid[i, :e - st + 1] for i, (st, e) in enumerate(zip(starts, ends))],
                              [s.hidden_record[st - 1:e] for s, st, e in zip(seqs, starts, ends)])
         # token ids and positions built on the host, one copy each (padding: id 0 at position 0)
@@ -248,18 +242,10 @@ class SpecDecoder:
             s.draft_cached = e
         self.clock.forward("drafter", len(seqs), T, sum(cached))
         self.clock.forward("draft_head", len(seqs), 1, 0)  # the root's prediction: the first level's logits
-        if graphed:
-            return self.draft_graphs.catch_up(hid, ids, pos, lens, last, max(cached))
-        # rows are padded to T, so a row writes its padding up to (its cached entries) + T
-        self.dcache.ensure_capacity(max(cached) + T)
-        with torch.inference_mode():  # static with the graphs: nothing read from the device
-            out = self.drafter(hid, ids, pos, self.dcache.view(lens, static=self.draft_graphs is not None))
-        return out[torch.arange(len(seqs), device=dev), last]
+        return self.draft_graphs.catch_up(hid, ids, pos, lens, last, max(cached))
 
     def _draft(self, seqs, arm: Arm, roots, root_pred, n, temp, gens) -> DraftStep:
-        """The drafter's tree (or chain) for this step and its verify layout: through the drafting graphs where the
-        engine graphs its forwards (tlt.speculative.draft_graph), else eagerly (the same code)."""
-        max_n = max(s.num_cached for s in seqs)
+        """The drafter's tree (or chain) for this step and its verify layout (tlt.speculative.draft_graph)."""
         sampled = self.cfg.acceptance == "rejection" and arm.method == "eagle_chain"
         # the sampled chain's draws, level by level before drafting: the rows' generators advance as they did when
         # each level drew its own
@@ -269,18 +255,8 @@ class SpecDecoder:
         for level in range(1, arm.depth):
             self.clock.forward("drafter", len(seqs), width, sum(s.draft_cached + level * width for s in seqs))
             self.clock.forward("draft_head", len(seqs), width, 0)
-        if self.draft_graphs is not None:
-            shape = DraftShape(arm.depth, arm.topk, arm.num_draft_tokens, sampled)
-            return self.draft_graphs.draft(shape, roots, root_pred, n, max_n, temp, uniforms)
-        self.dcache.ensure_capacity(max_n + arm.depth * arm.topk + 1)
-        if sampled:
-            tree = draft_chain_sampled(self.drafter, self.dcache, roots, root_pred, n, n, arm.depth, temp, uniforms)
-        else:
-            tree = draft_tree(self.drafter, self.dcache, roots, root_pred, n, n, arm.depth, arm.topk,
-                              arm.num_draft_tokens)
-        with torch.inference_mode():
-            mask, depths = tree_layout(tree.parents)
-        return DraftStep(tree, mask, depths)
+        shape = DraftShape(arm.depth, arm.topk, arm.num_draft_tokens, sampled)
+        return self.draft_graphs.draft(shape, roots, root_pred, n, max(s.num_cached for s in seqs), temp, uniforms)
 
     # ---- verify -------------------------------------------------------------------------------------------------
     def verify(self, seqs: list[Sequence], draft: Draft, hidden: torch.Tensor) -> tuple[VerifyResult, list[list[float]]]:
