@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
