@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from tlt.bundles import assign_bundles, check_divides
 from tlt.schema import ConfigError, close_matches_hint, option, set_option, type_name
 from tlt.speculative.config import SpecConfig
 
@@ -323,7 +324,6 @@ def _validate(cfg: Config) -> None:
 
 
 def _validate_placement(cfg: Config) -> None:
-    from tlt.workers.bundles import assign_bundles, check_divides  # pure arithmetic, no Ray
     t = cfg.trainer
     a = assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus)
     if t.num_rollout_workers not in (1, len(a.rollout_bundles)):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tlt.bundles import assign_bundles
 from tlt.config import Config, ConfigError, load_config
 from tlt.engine.cuda_graph import ROUND
 from tlt.models.config import ModelConfig
@@ -285,7 +286,6 @@ def _default_world(cfg: Config) -> int:
     t = cfg.trainer
     if t.placement == "none":  # torchrun ranks, as verl's keys describe them
         return t.nnodes * t.n_gpus_per_node
-    from tlt.workers.bundles import assign_bundles  # pure arithmetic, no Ray
     return len(assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus).trainer_bundles)
 
 
@@ -314,7 +314,6 @@ def main(argv: list[str] | None = None) -> int:
         limit = torch.cuda.get_device_properties(0).total_memory
     t = cfg.trainer
     if t.placement == "disaggregated":
-        from tlt.workers.bundles import assign_bundles  # pure arithmetic, no Ray
         replicas = len(assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus).rollout_bundles)
         plans = role_plans(cfg, model_cfg, world, replicas)
         heads = {"trainer": f"trainer GPU: actor.strategy={cfg.actor.strategy}, {world} rank(s), no engine",

@@ -36,6 +36,7 @@ from tlt.config import RolloutConfig
 from tlt.device import idle_cpu_cores
 from tlt.drafter_train.buffer import DrafterBuffer
 from tlt.drafter_train.trainer import DrafterTrainer
+from tlt.prompts import load_examples
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.drafter_io import build_draft_vocab, save_drafter
 
@@ -102,7 +103,6 @@ def load_prompts(cfg: OfflineConfig, tokenizer) -> tuple[list[list[int]], str]:
                 if cfg.data.endswith(".jsonl") else None)
         if rows and "prompt_token_ids" in rows[0]:
             return [list(map(int, r["prompt_token_ids"])) for r in rows[:cfg.num_prompts]], cfg.data
-        from tlt.rl.data import load_examples
         messages = [ex.messages for ex in load_examples([cfg.data], None)[0][:cfg.num_prompts]]
         source = cfg.data
     if tokenizer is None:

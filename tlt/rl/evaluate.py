@@ -20,7 +20,7 @@ import numpy as np
 
 from tlt.config import Config, ConfigError, load_config
 from tlt.rl.checkpoint import CONFIG_FILE
-from tlt.rl.data import PromptExample, load_examples
+from tlt.prompts import PromptExample, load_examples
 from tlt.rl.rewards import RewardManager
 from tlt.rl.rollout import generate_rollouts, rollout_seed, sampling_params_for
 

@@ -21,10 +21,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from tlt.bundles import assign_bundles
 from tlt.config import Config, ConfigError
 from tlt.device import resolve_device
 from tlt.rl.advantages import get_adv_estimator
 from tlt.rl.losses import get_policy_loss
+from tlt.rl.preflight import check_run
 from tlt.rl.tiny_model import TINY_MODEL_NAME
 
 DEFAULT_TRAIN_SIZE, DEFAULT_VAL_SIZE = 2048, 64  # default task files when tlt.tasks has no default_datasets()
@@ -171,8 +173,6 @@ def train_on_placement(cfg: Config, run_rank: Callable[[Config], Any]) -> Any:
     """`tlt train` under trainer.placement, in the launching process: every check that needs no model (ConfigErrors
     before Ray starts), then `run_rank(cfg)` in each trainer rank, a Ray actor on its bundle, with the rollout
     replicas on theirs (tlt.workers.trainer_group). Returns rank 0's result."""
-    from tlt.preflight import check_run
-    from tlt.workers.bundles import assign_bundles
     t = cfg.trainer
     a = assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus)
     check_run(cfg)

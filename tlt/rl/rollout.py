@@ -17,7 +17,7 @@ import torch
 
 from tlt.engine.outputs import RequestOutput
 from tlt.engine.params import SamplingParams
-from tlt.rl.data import PromptExample
+from tlt.prompts import PromptExample
 
 if TYPE_CHECKING:
     from tlt.config import Config

@@ -47,8 +47,8 @@ def check_attention_backend(name: str) -> None:
 
 
 def check_data_files(paths: list[str], prompt_key: str, key: str) -> list:
-    """Every row of every file parsed and checked against the schema (tlt.rl.data's own row parser)."""
-    from tlt.rl.data import DataError, load_examples
+    """Every row of every file parsed and checked against the schema (tlt.prompts' own row parser)."""
+    from tlt.prompts import DataError, load_examples
     for path in paths:
         if not Path(path).is_file():
             raise UserError(f"{key}: data file not found: {path}")
@@ -95,7 +95,7 @@ def check_model_dir(path: str):
 def check_prompt_lengths(examples: list, tokenizer, cfg: Config, split: str) -> None:
     """Prompts over data.max_prompt_length: dropped and counted when data.filter_overlong_prompts, else an error;
     an error too when nothing would be left."""
-    from tlt.rl.data import chat_ids
+    from tlt.prompts import chat_ids
     d = cfg.data
     too_long = [ex for ex in examples if len(chat_ids(tokenizer, ex.messages)) > d.max_prompt_length]
     if too_long and not d.filter_overlong_prompts:
