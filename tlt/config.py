@@ -14,9 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 import yaml
 
 from tlt.bundles import assign_bundles, check_divides
+from tlt.device import resolve_device, resolve_dtype
 from tlt.schema import ConfigError, close_matches_hint, option, set_option, type_name
 from tlt.speculative.config import SpecConfig
 
@@ -265,9 +268,6 @@ class Config:
         bf16, else the policy's own."""
         if self.rollout.dtype != "auto":
             return self.rollout.dtype
-        import torch
-
-        from tlt.device import resolve_device, resolve_dtype
         fast_bf16 = resolve_dtype("auto", resolve_device(self.model.device)) == torch.bfloat16
         return "bfloat16" if fast_bf16 else self.policy_dtype()
 
