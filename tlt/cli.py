@@ -18,6 +18,8 @@ import os
 import sys
 import traceback
 
+from tlt.schema import UserError
+
 COMMANDS = {
     "train": ("tlt.rl.trainer", "main"),
     "eval": ("tlt.rl.evaluate", "main"),
@@ -46,7 +48,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tlt: unknown command {cmd!r}{hint}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module, fn = COMMANDS[cmd]
-    from tlt.schema import UserError
     try:
         return int(getattr(importlib.import_module(module), fn)(rest) or 0)
     except UserError as e:

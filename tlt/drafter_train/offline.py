@@ -36,8 +36,11 @@ from tlt.config import RolloutConfig
 from tlt.device import idle_cpu_cores
 from tlt.drafter_train.buffer import DrafterBuffer
 from tlt.drafter_train.trainer import DrafterTrainer
+from tlt.models.smollm import default_model_path
+from tlt.prompts import load_examples
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.drafter_io import build_draft_vocab, save_drafter
+from tlt.tasks.default_task import make_examples
 
 
 def _opt(default, help: str):
@@ -94,7 +97,6 @@ def parse_args(argv: list[str]) -> OfflineConfig:
 def load_prompts(cfg: OfflineConfig, tokenizer) -> tuple[list[list[int]], str]:
     """(prompt token ids, data-source description): chat-templated text prompts or raw token-id prompts."""
     if cfg.data is None:
-        from tlt.tasks.default_task import make_examples
         messages = [row["prompt"] for row in make_examples("train", cfg.num_prompts, cfg.seed)]
         source = f"tlt default task (train split, seed {cfg.seed})"
     else:
@@ -102,7 +104,6 @@ def load_prompts(cfg: OfflineConfig, tokenizer) -> tuple[list[list[int]], str]:
                 if cfg.data.endswith(".jsonl") else None)
         if rows and "prompt_token_ids" in rows[0]:
             return [list(map(int, r["prompt_token_ids"])) for r in rows[:cfg.num_prompts]], cfg.data
-        from tlt.rl.data import load_examples
         messages = [ex.messages for ex in load_examples([cfg.data], None)[0][:cfg.num_prompts]]
         source = cfg.data
     if tokenizer is None:
@@ -143,7 +144,6 @@ def train_drafter(cfg: OfflineConfig, command: str | None = None) -> dict:
     if cfg.window_len > cfg.batch_tokens:
         raise ValueError(f"window_len={cfg.window_len} > batch_tokens={cfg.batch_tokens}: lower window_len")
     if cfg.model is None:
-        from tlt.models.smollm import default_model_path
         cfg = dataclasses.replace(cfg, model=str(default_model_path()))
     model_dir = Path(cfg.model)
     threads = torch.get_num_threads()
@@ -278,7 +278,6 @@ def default_drafter_path(model_path: str | Path | None = None, build: dict | Non
     `build` (OfflineConfig fields; default DEFAULT_BUILD); built on the first call (temp dir + rename, so a crash
     or a concurrent builder never leaves a half-written drafter)."""
     if model_path is None:
-        from tlt.models.smollm import default_model_path
         model_path = default_model_path()
     model_path = Path(model_path)
     build = DEFAULT_BUILD if build is None else build
