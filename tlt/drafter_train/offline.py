@@ -9,6 +9,7 @@ format, with the reduced draft vocabulary when asked) and provenance.json.
 
     tlt train-drafter --out runs/drafter                       # SmolLM2-135M-Instruct on the default task
     tlt train-drafter out=runs/drafter steps=200 draft_vocab=8192 temperatures=1.0,0.7
+    tlt train-drafter out=runs/plain fc_bias=false                  # vLLM's stock EAGLE-1 shape (full vocabulary)
     tlt train-drafter --model path/to/hf --data prompts.parquet --out runs/drafter
     tlt train-drafter --help                                   # every option with its default
 
@@ -64,6 +65,8 @@ class OfflineConfig:
     window_len: int = _opt(256, "training window length (<= batch_tokens)")
     holdout_every: int = _opt(8, "every k-th sample is held out for evaluation")
     draft_vocab: int = _opt(0, "reduced draft vocabulary size from generated-token counts; 0 = the full vocabulary")
+    fc_bias: bool = _opt(True, "the drafter's fc has a bias; false with draft_vocab=0 = vLLM's stock EAGLE-1 drafter "
+                               "(`tlt export-drafter` then writes plain EAGLE-1 weights, no plugin)")
     ttt_steps: int = _opt(1, "unrolled passes a training step (training-time test: pass k feeds the drafter its own "
                              "pass k-1 features, as drafting depth k does); 1 = teacher-forced only")
     amp: str = _opt("auto", "autocast dtype for training: auto | none | bfloat16")
@@ -74,11 +77,19 @@ class OfflineConfig:
     log_every: int = _opt(10, "print training metrics every k steps")
 
 
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def parse_args(argv: list[str]) -> OfflineConfig:
     """argparse over OfflineConfig's fields; `key=value` tokens are read as `--key value`."""
     ap = argparse.ArgumentParser(prog="tlt train-drafter", description=__doc__.split("\n")[0])
     for f in dataclasses.fields(OfflineConfig):
-        typ = {"int": int, "float": float}.get(str(f.type), str)
+        typ = {"int": int, "float": float, "bool": _parse_bool}.get(str(f.type), str)
         ap.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=f.default,
                         help=f"{f.metadata['help']} (default: {f.default})")
     flat: list[str] = []
@@ -175,7 +186,7 @@ def _train_drafter(cfg: OfflineConfig, model_dir: Path, command: str | None) -> 
           f"{torch.get_num_threads()} threads)")
 
     torch.manual_seed(cfg.seed)
-    drafter = Drafter(target.cfg).to(next(target.parameters()).device).attach(target)
+    drafter = Drafter(target.cfg, fc_bias=cfg.fc_bias).to(next(target.parameters()).device).attach(target)
     if cfg.draft_vocab:
         drafter.d2t = build_draft_vocab(counts, cfg.draft_vocab).to(drafter.fc.weight.device)
         covered = float(counts[drafter.d2t.cpu()].sum() / counts.sum())
