@@ -12,7 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "tlt"
 # the data path, lowest first: a module may import its own layer and the ones before it, never a later one
 LAYERS = ("tlt.models", "tlt.engine", "tlt.speculative", "tlt.drafter_train")
-ABOVE_THE_DATA_PATH = ("tlt.rl", "tlt.workers", "tlt.bench", "tlt.cli", "tlt.tasks", "tlt.report")
+ABOVE_THE_DATA_PATH = ("tlt.rl", "tlt.workers", "tlt.bench", "tlt.cli", "tlt.tasks", "tlt.report", "tlt.export")
+# loaded by vLLM alone (its `vllm.general_plugins` entry point): the only package that imports vllm, imported by none
+VLLM_PLUGIN = "tlt.vllm_plugin"
 # commands that live beside the layer they drive and read prompts as `tlt train` does (inside the command only)
 COMMANDS = {"tlt.drafter_train.offline": "`tlt train-drafter`: prompts from data files or the default task"}
 
@@ -110,6 +112,29 @@ def test_only_the_workers_import_ray():
     wrong = [f"{p.relative_to(ROOT.parent)}:{line}" for m, p in MODULES.items()
              if not m.startswith("tlt.workers") for n, line in _imported_names(p) if n.split(".")[0] == "ray"]
     assert not wrong, "Ray imported below tlt/workers: " + ", ".join(wrong)
+
+
+def vllm_plugin_misuse(modules: dict[str, Path]) -> list[str]:
+    """Imports of vllm outside the plugin, and of the plugin from anywhere else in tlt."""
+    wrong = []
+    for m, p in modules.items():
+        inside = m == VLLM_PLUGIN or m.startswith(VLLM_PLUGIN + ".")
+        for n, line in _imported_names(p):
+            if (n.split(".")[0] == "vllm" and not inside) or (n.startswith(VLLM_PLUGIN) and not inside):
+                wrong.append(f"{m}:{line} imports {n}")
+    return wrong
+
+
+def test_only_the_vllm_plugin_imports_vllm_and_nothing_imports_it():
+    assert not vllm_plugin_misuse(MODULES), "\n".join(vllm_plugin_misuse(MODULES))
+
+
+def test_the_vllm_plugin_check_can_fail(tmp_path):
+    """Control: a core module importing the plugin, and one importing vllm, are both reported."""
+    (tmp_path / "core.py").write_text("from tlt.vllm_plugin import register\nimport vllm.config\n")
+    wrong = vllm_plugin_misuse({"tlt.speculative.core": tmp_path / "core.py"})
+    assert any(w.endswith("imports tlt.vllm_plugin") for w in wrong) and any(w.endswith("vllm.config") for w in wrong)
+    assert not vllm_plugin_misuse({VLLM_PLUGIN + ".eagle": tmp_path / "core.py"})  # inside the plugin: allowed
 
 
 # an engine's internals reached from outside tlt/engine: its private members, or its scheduler, runner or cache

@@ -277,11 +277,15 @@ def drafter_cache_dir(model_path: str | Path, build: dict | None = None) -> Path
     return cache_root() / "drafters" / name
 
 
+# keys added after builds were named, at the value every build had before: left out, so those keep their names
+_ADDED_LATER = {"fc_bias": True}
+
+
 def _canonical(build: dict) -> dict:
     """A build with OfflineConfig's defaults filled in, so that equal builds compare equal however spelled; without
     the keys that change how it runs, not what it builds (threads, logging)."""
     return {k: v for k, v in dataclasses.asdict(OfflineConfig(**build)).items()
-            if k not in ("out", "model", *_RUN_ONLY)}
+            if k not in ("out", "model", *_RUN_ONLY) and not (k in _ADDED_LATER and v == _ADDED_LATER[k])}
 
 
 def default_drafter_path(model_path: str | Path | None = None, build: dict | None = None) -> Path:

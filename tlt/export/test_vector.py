@@ -33,6 +33,7 @@ NUM_CHAIN = 3  # vLLM's num_speculative_tokens in the README's serve command
 
 @dataclass
 class TestVector:
+    __test__ = False  # a data class, not a pytest test class
     input_ids: torch.Tensor           # [T + 1] long
     hidden_states: torch.Tensor       # [T, H] fp32
     first_draft_ids: torch.Tensor     # [T] long, target ids
