@@ -1,6 +1,6 @@
 """The steps of scripts/check_vllm_export.sh (which runs them; see there), one subcommand each:
 
-    prompts TARGET OUT.json [--num N]        the default task's held-out prompts and generic chat prompts, as token ids
+    prompts TARGET OUT.json [--num N]        the default task's held-out prompts and generic chat prompts, token ids
     tlt TARGET DRAFTER PROMPTS OUT.json      tlt's acceptance on them (fixed chain of K drafts, greedy, fp32)
     vllm TARGET EXPORT PROMPTS OUT.json      vLLM's (in vLLM's environment; tlt only for its plugin), and the test
                                              vector through the drafter modules vLLM loaded
@@ -47,7 +47,7 @@ def cmd_prompts(a) -> dict:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tok(text, add_special_tokens=False)["input_ids"]
     held_out = [ids(row["prompt"]) for row in list(make_examples("val", DEFAULT_VAL_SIZE, 0))[:a.num]]
-    chat = [ids([{"role": "user", "content": q}]) for q in CHAT[:a.num]]
+    chat = [ids([{"role": "user", "content": q}]) for q in CHAT[:a.num_chat or a.num]]
     return {"held_out": held_out, "chat": chat}
 
 
@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("prompts"); s.add_argument("target"); s.add_argument("out")
-    s.add_argument("--num", type=int, default=16)
+    s.add_argument("--num", type=int, default=16, help="held-out prompts (the default task's val split)")
+    s.add_argument("--num-chat", type=int, default=0, help="chat prompts (0: as many as --num)")
     s = sub.add_parser("tlt"); s.add_argument("target"); s.add_argument("drafter"); s.add_argument("prompts")
     s.add_argument("out"); s.add_argument("--threads", type=int, default=0)
     s = sub.add_parser("vllm"); s.add_argument("target"); s.add_argument("export"); s.add_argument("prompts")

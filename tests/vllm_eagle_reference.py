@@ -90,7 +90,8 @@ class VllmEagleReference:
         first = logits.argmax(-1)
         chain = [int(first[-1])]
         for _ in range(k - 1):
-            ids, h, pos = torch.cat([ids, torch.tensor([chain[-1]])]), torch.cat([h, out[-1:]]), torch.arange(len(ids) + 1)
+            ids, h = torch.cat([ids, torch.tensor([chain[-1]])]), torch.cat([h, out[-1:]])
+            pos = torch.arange(len(ids))
             out, logits = self.forward(ids, h, pos)
             chain.append(int(logits[-1].argmax()))
         return first, chain

@@ -5,8 +5,9 @@
 DIR is a drafter directory (`tlt train-drafter`'s, the cached warm-up drafter) or a checkpoint (global_step_N/,
 whose drafter/ it exports for the checkpoint's own policy). The target is --target, else the checkpoint, else the
 model the drafter's provenance.json names. Then serve it with
-    vllm serve TARGET --dtype float32 --speculative-config '{"method": "eagle", "model": "OUT", "num_speculative_tokens": 3}'
-(a "tlt-plugin" export needs tlt installed where vLLM runs: `pip install --no-deps tlt` registers the plugin).
+    vllm serve TARGET --dtype float32 \\
+      --speculative-config '{"method": "eagle", "model": "OUT", "num_speculative_tokens": 3}'
+(a "tlt-plugin" export needs tlt where vLLM runs: `pip install --no-deps` of tlt's repository registers the plugin).
 """
 from __future__ import annotations
 
@@ -127,5 +128,5 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {kind} export to {out}; serve it with\n  vllm serve {model} --dtype float32 "
           f"--speculative-config '{spec}'")
     if kind == "tlt-plugin":
-        print("  (vLLM loads it through tlt's plugin: `pip install --no-deps tlt` in vLLM's environment)")
+        print("  (through tlt's vLLM plugin: `pip install --no-deps` of tlt's repository in vLLM's environment)")
     return 0

@@ -9,7 +9,7 @@ int64; the json metadata says the same):
   first_draft_ids    [T]      row t pairs (h_t, x_{t+1}) and the drafter, attending causally over rows 0..t, drafts
                               this target id for x_{t+2} (its top-1 over its draft vocabulary)
   chain_draft_ids    [k]      the k-token chain after x_T: d_1 = first_draft_ids[T - 1]; row T - 1 + j pairs the
-                              drafter's own output of the row before (its pre-norm hidden state) with d_j, giving d_{j+1}
+                              drafter's own output of the row before (pre-norm hidden state) with d_j: d_{j+1}
   *_margin                    top-1 minus top-2 draft logit of each draft (how far it is from a tie)
 Row t sits at position t in vLLM's data flow and at t + 1 in tlt's (the position of its token): RoPE attention sees
 only position differences, so both give the same drafts.

@@ -65,8 +65,8 @@ def choose_kind(drafter: Drafter, requested: str = "auto") -> str:
     if requested == "eagle" and misfits:
         raise UserError("--format eagle: vLLM's stock EAGLE-1 class would load this drafter and draft differently: "
                         + "; ".join(misfits) + ". Export with --format tlt-plugin (vLLM then needs tlt installed: "
-                        "`pip install --no-deps tlt` in its environment), or train a drafter that fits with "
-                        "`tlt train-drafter fc_bias=false draft_vocab=0`")
+                        "`pip install --no-deps` of tlt's repository in its environment), or train a drafter that fits "
+                        "with `tlt train-drafter fc_bias=false draft_vocab=0`")
     if requested == "auto":
         return "tlt-plugin" if misfits else "eagle"
     return requested
@@ -79,7 +79,8 @@ def vllm_config(drafter: Drafter, target_hf_config: dict, kind: str, dtype: torc
     cfg["architectures"] = [STOCK_ARCH[family] if kind == "eagle" else PLUGIN_ARCH[family]]
     cfg["num_hidden_layers"] = 1
     # EAGLE drafts at the target's positions: a shorter rotary table would end them early (vLLM raises it too)
-    cfg["max_position_embeddings"] = target_hf_config.get("max_position_embeddings", drafter.cfg.max_position_embeddings)
+    cfg["max_position_embeddings"] = target_hf_config.get("max_position_embeddings",
+                                                          drafter.cfg.max_position_embeddings)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     cfg.pop("dtype", None)
     cfg["tlt_drafter"] = {"format": FORMAT, "kind": kind, "fc_bias": drafter.fc_bias and kind == "tlt-plugin",
