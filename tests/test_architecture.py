@@ -26,8 +26,10 @@ LAYERS = (
     ("tlt.drafter_train",),
     ("tlt.workers",),  # Ray actors around the pieces below
     ("tlt.rl", "tlt.report"),
-    ("tlt.plan", "tlt.bench", "tlt.cli", "tlt.__main__"),  # commands that drive the rest
+    ("tlt.plan", "tlt.bench", "tlt.cli", "tlt.__main__", "tlt.export"),  # commands that drive the rest
+    ("tlt.vllm_plugin",),  # loaded by vLLM alone (its `vllm.general_plugins` entry point), imported by none
 )
+VLLM_PLUGIN = "tlt.vllm_plugin"  # the only package that imports vllm
 
 
 def _modules() -> dict[str, Path]:
@@ -153,6 +155,29 @@ def test_only_the_workers_import_ray():
     wrong = [f"{p.relative_to(ROOT.parent)}:{line}" for m, p in MODULES.items()
              if not m.startswith("tlt.workers") for n, line in _imported_names(SOURCES[m]) if n.split(".")[0] == "ray"]
     assert not wrong, "Ray imported below tlt/workers: " + ", ".join(wrong)
+
+
+def vllm_plugin_misuse(sources: dict[str, str]) -> list[str]:
+    """Imports of vllm outside the plugin, and of the plugin from anywhere else in tlt."""
+    wrong = []
+    for m, src in sources.items():
+        inside = m == VLLM_PLUGIN or m.startswith(VLLM_PLUGIN + ".")
+        for n, line in _imported_names(src):
+            if (n.split(".")[0] == "vllm" or n.startswith(VLLM_PLUGIN)) and not inside:
+                wrong.append(f"{m}:{line} imports {n}")
+    return wrong
+
+
+def test_only_the_vllm_plugin_imports_vllm_and_nothing_imports_it():
+    assert not vllm_plugin_misuse(SOURCES), "\n".join(vllm_plugin_misuse(SOURCES))
+
+
+def test_the_vllm_plugin_check_can_fail():
+    """Control: a core module importing the plugin, and one importing vllm, are both reported."""
+    core = "from tlt.vllm_plugin import register\nimport vllm.config\n"
+    wrong = vllm_plugin_misuse({"tlt.speculative.core": core})
+    assert any(w.endswith("imports tlt.vllm_plugin") for w in wrong) and any(w.endswith("vllm.config") for w in wrong)
+    assert not vllm_plugin_misuse({VLLM_PLUGIN + ".eagle": core})  # inside the plugin: allowed
 
 
 # an engine's internals reached from outside tlt/engine: its private members, or its scheduler, runner or cache
