@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 VENV=$(mktemp -d)/venv
 trap 'rm -rf "$(dirname "$VENV")"' EXIT
 $PY -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q "torch==2.13.0"   # the CPU build, from local disk (as scripts/install.sh)
+PYTHON="$VENV/bin/python" bash scripts/install_torch.sh   # as scripts/install.sh: the CPU build without a GPU
 "$VENV/bin/python" -m pip install -q .
 cd "$(dirname "$VENV")"  # away from the checkout: import the installed package, not the source tree
 TLT_CACHE="$(dirname "$VENV")/cache" "$VENV/bin/python" - <<'PY'

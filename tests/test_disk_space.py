@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tlt.config import load_config
-from tlt.preflight import check_output_dir, check_run, checkpoint_bytes, checkpoints_held, model_size
+from tlt.rl.preflight import check_output_dir, check_run, checkpoint_bytes, checkpoints_held, model_size
 from tlt.rl.checkpoint import LATEST_FILE, CheckpointManager, CheckpointSpaceError, TrainerState, tensor_bytes
 from tlt.rl.trainer import GRPOTrainer
 from tlt.schema import UserError

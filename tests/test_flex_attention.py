@@ -150,7 +150,7 @@ def test_backend_resolution():
 
 
 def test_flex_without_flex_attention_is_a_user_error_before_loading(monkeypatch):
-    from tlt.preflight import check_attention_backend
+    from tlt.rl.preflight import check_attention_backend
     from tlt.schema import UserError
     for name in ("auto", "sdpa", "flex"):
         check_attention_backend(name)  # this torch has FlexAttention: nothing to refuse

@@ -52,6 +52,27 @@ def test_train_drafter_end_to_end(tiny, tmp_path, capsys):
     assert "accept_proxy" in capsys.readouterr().out
 
 
+def test_fc_bias_false_trains_vllms_stock_drafter_shape(tiny, tmp_path):
+    """fc_bias=false draft_vocab=0: a drafter with no fc bias over the full vocabulary (what `tlt export-drafter`
+    writes as plain EAGLE-1), trained: its loss falls like the default shape's."""
+    from tlt.export.vllm import stock_misfits
+    model_dir, data = tiny
+    out = tmp_path / "plain"
+    assert offline.main([f"model={model_dir}", f"data={data}", f"out={out}", "steps=20", "fc_bias=false", *ARGS]) == 0
+    drafter = load_drafter(out).attach(load_model(model_dir))
+    assert drafter.fc.bias is None and drafter.d2t is None and stock_misfits(drafter) == []
+    from tlt.drafter_train.online import training_copy
+    copy = training_copy(drafter)  # what online rounds train: the same shape, not one with a random bias
+    assert copy.fc.bias is None and torch.equal(copy.fc.weight, drafter.fc.weight)
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["config"]["fc_bias"] is False and prov["metrics"]["loss"] < prov["metrics_before"]["loss"]
+    assert offline.parse_args(["--fc-bias", "true"]).fc_bias is True  # the default shape, as before the option
+    assert offline.drafter_cache_dir("m", dict(offline.DEFAULT_BUILD, fc_bias=False)) != \
+        offline.drafter_cache_dir("m")  # another build, cached apart
+    with pytest.raises(SystemExit):
+        offline.parse_args(["fc_bias=maybe"])
+
+
 def test_key_value_and_flag_spellings_agree():
     a = offline.parse_args(["num_prompts=5", "temperatures=1.0,0.6", "--lr", "0.01"])
     b = offline.parse_args(["--num-prompts", "5", "--temperatures", "1.0,0.6", "lr=0.01"])

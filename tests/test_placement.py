@@ -1,4 +1,4 @@
-"""Placement without Ray: the bundle assignment (tlt.workers.bundles), its config errors at load, and the engine's
+"""Placement without Ray: the bundle assignment (tlt.bundles), its config errors at load, and the engine's
 sleep/wake (colocated placement frees the KV cache between rollouts; decoding after wake gives the same tokens)."""
 import pytest
 
@@ -6,7 +6,7 @@ import tlt
 from tlt.config import ConfigError, load_config
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.drafter_io import save_drafter
-from tlt.workers.bundles import assign_bundles
+from tlt.bundles import assign_bundles
 
 
 def test_colocated_puts_a_rank_and_a_replica_on_every_bundle():
@@ -128,7 +128,8 @@ def test_no_final_sd_comparison_on_a_disaggregated_gpu_rank(capsys):
     the same trainer on CPU goes on to build the comparison's plain engine (here from a stand-in, which fails)."""
     from types import SimpleNamespace
     import torch
-    from tlt.rl.data import PromptDataset, PromptExample
+    from tlt.prompts import PromptExample
+    from tlt.rl.data import PromptDataset
     from tlt.rl.run_summary import compare_sd
     data = PromptDataset([PromptExample(index=0, data_source="d", messages=[], ground_truth=None, prompt_ids=[1])], 1)
     fake = SimpleNamespace(llm=SimpleNamespace(spec=object()), start_step=0, engine_on_host=True,

@@ -8,7 +8,7 @@ import pytest
 
 import tlt
 from tlt.drafter_train.coordinator import AssignGroups
-from tlt.workers.bundles import assign_bundles
+from tlt.bundles import assign_bundles
 from tlt.workers.rollout_worker import ReplicaConfig, RolloutReplica
 from tlt.workers.spot import SpotConfig
 

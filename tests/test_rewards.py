@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tlt.config import RewardConfig
-from tlt.rl.data import PromptExample
+from tlt.prompts import PromptExample
 from tlt.rl.rewards import (RewardError, RewardManager, boxed_format_score, detect_shape, last_boxed, math_score,
                             register_reward)
 
@@ -286,7 +286,7 @@ def test_function_the_workers_cannot_import_is_a_clear_error(tmp_path):
 def test_script_without_main_guard_gets_a_clear_error(tmp_path):
     """Workers import the main module; a script that scores at import time must say so, not score 0 forever."""
     script = tmp_path / "train.py"
-    script.write_text("from tlt.config import RewardConfig\nfrom tlt.rl.data import PromptExample\n"
+    script.write_text("from tlt.config import RewardConfig\nfrom tlt.prompts import PromptExample\n"
                       "from tlt.rl.rewards import RewardManager\n"
                       "ex = PromptExample(0, 'math', [{'role': 'user', 'content': 'q'}], '3', {})\n"
                       "print(RewardManager(RewardConfig(num_workers=1)).score([ex], ['\\\\boxed{3}']).scores)\n")
@@ -316,7 +316,7 @@ def test_a_killed_trainer_leaves_no_worker_behind(tmp_path):
     """SIGKILL of the trainer (no close(), no atexit) while a worker is stuck in a scorer: the worker exits too."""
     script = tmp_path / "train.py"
     script.write_text(
-        "import os, sys, time\nfrom tlt.config import RewardConfig\nfrom tlt.rl.data import PromptExample\n"
+        "import os, sys, time\nfrom tlt.config import RewardConfig\nfrom tlt.prompts import PromptExample\n"
         "from tlt.rl.rewards import RewardManager, register_reward\n"
         "def hang(data_source, solution_str, ground_truth, extra_info=None):\n    time.sleep(600)\n"
         "if __name__ == '__main__':\n"

@@ -10,7 +10,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from tlt.config import DataConfig
-from tlt.rl.data import DataError, PromptDataset, PromptExample, load_examples
+from tlt.prompts import DataError, PromptExample, load_examples
+from tlt.rl.data import PromptDataset
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} </s> {% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")

@@ -80,7 +80,7 @@ def test_logits_match_transformers_and_greedy_stops(model_dir):
 
 
 def test_size_constants_are_the_converted_models(model_dir):
-    """tlt.preflight estimates the default model's checkpoints from them before it is converted."""
+    """tlt.rl.preflight estimates the default model's checkpoints from them before it is converted."""
     cfg = json.loads((model_dir / "config.json").read_text())
     assert cfg["hidden_size"] == smollm.HIDDEN_SIZE
     assert sum(p.numel() for p in load_model(model_dir).parameters()) == smollm.NUM_PARAMETERS

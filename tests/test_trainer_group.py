@@ -17,7 +17,7 @@ from tests.test_trainer import make_overrides
 from tlt.config import load_config
 from tlt.rl.tiny_model import build_tiny_model
 from tlt.schema import ConfigError
-from tlt.workers.bundles import assign_bundles
+from tlt.bundles import assign_bundles
 
 ray = pytest.importorskip("ray", reason="ray is not installed")
 

@@ -4,6 +4,7 @@
     tlt eval CHECKPOINT [key=value ...]       accuracy (mean@k, pass@k) of a checkpoint on a dataset
     tlt data [--out DIR] ...                  write reasoning-gym datasets in verl's schema
     tlt train-drafter [key=value ...]         offline drafter warm-up: sample with the target, train the drafter
+    tlt export-drafter DIR --out OUT          the drafter as a vLLM EAGLE draft model, with a test vector
     tlt bench decode|spec|e2e [...]           benchmarks (a table, then one JSON line)
     tlt plan [CONFIG.yaml] [key=value ...]    per-device memory of a training config (exit 2 if it will not fit)
 
@@ -18,11 +19,14 @@ import os
 import sys
 import traceback
 
+from tlt.schema import UserError
+
 COMMANDS = {
     "train": ("tlt.rl.trainer", "main"),
     "eval": ("tlt.rl.evaluate", "main"),
     "data": ("tlt.tasks.datagen", "main"),
     "train-drafter": ("tlt.drafter_train.offline", "main"),
+    "export-drafter": ("tlt.export.command", "main"),
     "bench": ("tlt.bench", "main"),
     "plan": ("tlt.plan", "main"),
 }
@@ -46,7 +50,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tlt: unknown command {cmd!r}{hint}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module, fn = COMMANDS[cmd]
-    from tlt.schema import UserError
     try:
         return int(getattr(importlib.import_module(module), fn)(rest) or 0)
     except UserError as e:

@@ -14,8 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 import yaml
 
+from tlt.bundles import assign_bundles, check_divides
+from tlt.device import resolve_device, resolve_dtype
 from tlt.schema import ConfigError, close_matches_hint, option, set_option, type_name
 from tlt.speculative.config import SpecConfig
 
@@ -249,9 +253,6 @@ class Config:
         bf16, else the policy's own."""
         if self.rollout.dtype != "auto":
             return self.rollout.dtype
-        import torch
-
-        from tlt.device import resolve_device, resolve_dtype
         fast_bf16 = resolve_dtype("auto", resolve_device(self.model.device)) == torch.bfloat16
         return "bfloat16" if fast_bf16 else self.policy_dtype()
 
@@ -308,7 +309,6 @@ def _validate(cfg: Config) -> None:
 
 
 def _validate_placement(cfg: Config) -> None:
-    from tlt.workers.bundles import assign_bundles, check_divides  # pure arithmetic, no Ray
     t = cfg.trainer
     a = assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus)
     if t.num_rollout_workers not in (1, len(a.rollout_bundles)):

@@ -22,7 +22,9 @@ from tlt.engine.outputs import CompletionOutput, RequestOutput
 from tlt.engine.params import SamplingParams
 from tlt.models.decoder import Decoder
 from tlt.models.loader import load_model, load_tokenizer
+from tlt.models.smollm import default_model_path
 from tlt.speculative.config import SpecConfig
+from tlt.speculative.spec_decoder import SpecDecoder
 
 
 def eos_ids_of(model_dir: Path, model: Decoder, tokenizer) -> list[int]:
@@ -44,7 +46,6 @@ class LLM:
                  skip_tokenizer_init: bool = False, enforce_eager: bool = False, attention: str = "auto",
                  clock=None):
         if model is None:
-            from tlt.models.smollm import default_model_path
             model = default_model_path()
         model_dir = None
         if isinstance(model, Decoder):
@@ -63,7 +64,6 @@ class LLM:
                                 enforce_eager=enforce_eager, attention=attention, clock=clock)
         self.spec = None
         if speculative_config is not None:
-            from tlt.speculative.spec_decoder import SpecDecoder
             cfg = speculative_config if isinstance(speculative_config, SpecConfig) \
                 else SpecConfig.from_dict(speculative_config)
             if cfg.enabled:

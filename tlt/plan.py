@@ -24,10 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
+from tlt.bundles import assign_bundles
 from tlt.config import Config, ConfigError, load_config
+from tlt.device import cpu_has_fast_bf16
 from tlt.engine.cuda_graph import ROUND
 from tlt.models.config import ModelConfig
 from tlt.models.decoder import Decoder
+from tlt.models.loader import read_config
+from tlt.models.smollm import default_model_path
+from tlt.rl.tiny_model import tiny_random_model_path
 
 ADAM_STATES = 2  # exp_avg, exp_avg_sq (fp32-like, the parameter's dtype); the step counters are scalars
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
@@ -120,7 +125,6 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
     """Bytes one device holds, per component and RL-step phase (docs/design.md §16). prompts_per_rank defaults to
     data.train_batch_size / world; prompt_len (the longest prompt) to data.max_prompt_length; responses (those
     this device's engine decodes) to prompts_per_rank * rollout.n."""
-    from tlt.device import cpu_has_fast_bf16
     a, m = cfg.actor, model_cfg
     fsdp = a.strategy == "fsdp"
     prompts_per_rank = prompts_per_rank or max(cfg.data.train_batch_size // world, 1)
@@ -268,13 +272,10 @@ def _num_mini_batches(cfg: Config) -> int:
 
 
 def _model_config(cfg: Config, architecture: str | None = None) -> ModelConfig:
-    from tlt.models.loader import read_config
     path = architecture or cfg.model.path
     if path == "tiny-random":
-        from tlt.rl.tiny_model import tiny_random_model_path
         path = str(tiny_random_model_path())
     elif path is None:
-        from tlt.models.smollm import default_model_path
         path = str(default_model_path())
     return read_config(path)
 
@@ -285,7 +286,6 @@ def _default_world(cfg: Config) -> int:
     t = cfg.trainer
     if t.placement == "none":  # torchrun ranks, as verl's keys describe them
         return t.nnodes * t.n_gpus_per_node
-    from tlt.workers.bundles import assign_bundles  # pure arithmetic, no Ray
     return len(assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus).trainer_bundles)
 
 
@@ -314,7 +314,6 @@ def main(argv: list[str] | None = None) -> int:
         limit = torch.cuda.get_device_properties(0).total_memory
     t = cfg.trainer
     if t.placement == "disaggregated":
-        from tlt.workers.bundles import assign_bundles  # pure arithmetic, no Ray
         replicas = len(assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus).rollout_bundles)
         plans = role_plans(cfg, model_cfg, world, replicas)
         heads = {"trainer": f"trainer GPU: actor.strategy={cfg.actor.strategy}, {world} rank(s), no engine",

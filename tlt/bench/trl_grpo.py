@@ -47,7 +47,7 @@ def run_trl(cfg, steps: int, out: Path) -> dict:
     except ImportError as e:
         return {"error": f"trl is not importable ({e}); install the bench extra: pip install 'tlt[bench]'"}
     from tlt.device import cpu_has_fast_bf16
-    from tlt.rl.data import load_examples
+    from tlt.prompts import load_examples
     from tlt.rl.rewards import RewardManager
 
     d, r, a = cfg.data, cfg.rollout, cfg.actor

@@ -9,6 +9,7 @@ format, with the reduced draft vocabulary when asked) and provenance.json.
 
     tlt train-drafter --out runs/drafter                       # SmolLM2-135M-Instruct on the default task
     tlt train-drafter out=runs/drafter steps=200 draft_vocab=8192 temperatures=1.0,0.7
+    tlt train-drafter out=runs/plain fc_bias=false                  # vLLM's stock EAGLE-1 shape (full vocabulary)
     tlt train-drafter --model path/to/hf --data prompts.parquet --out runs/drafter
     tlt train-drafter --help                                   # every option with its default
 
@@ -36,8 +37,11 @@ from tlt.config import RolloutConfig
 from tlt.device import idle_cpu_cores
 from tlt.drafter_train.buffer import DrafterBuffer
 from tlt.drafter_train.trainer import DrafterTrainer
+from tlt.models.smollm import default_model_path
+from tlt.prompts import load_examples
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.drafter_io import build_draft_vocab, save_drafter
+from tlt.tasks.default_task import make_examples
 
 
 def _opt(default, help: str):
@@ -64,6 +68,8 @@ class OfflineConfig:
     window_len: int = _opt(256, "training window length (<= batch_tokens)")
     holdout_every: int = _opt(8, "every k-th sample is held out for evaluation")
     draft_vocab: int = _opt(0, "reduced draft vocabulary size from generated-token counts; 0 = the full vocabulary")
+    fc_bias: bool = _opt(True, "the drafter's fc has a bias; false with draft_vocab=0 = vLLM's stock EAGLE-1 drafter "
+                               "(`tlt export-drafter` then writes plain EAGLE-1 weights, no plugin)")
     ttt_steps: int = _opt(1, "unrolled passes a training step (training-time test: pass k feeds the drafter its own "
                              "pass k-1 features, as drafting depth k does); 1 = teacher-forced only")
     amp: str = _opt("auto", "autocast dtype for training: auto | none | bfloat16")
@@ -74,11 +80,19 @@ class OfflineConfig:
     log_every: int = _opt(10, "print training metrics every k steps")
 
 
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def parse_args(argv: list[str]) -> OfflineConfig:
     """argparse over OfflineConfig's fields; `key=value` tokens are read as `--key value`."""
     ap = argparse.ArgumentParser(prog="tlt train-drafter", description=__doc__.split("\n")[0])
     for f in dataclasses.fields(OfflineConfig):
-        typ = {"int": int, "float": float}.get(str(f.type), str)
+        typ = {"int": int, "float": float, "bool": _parse_bool}.get(str(f.type), str)
         ap.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=f.default,
                         help=f"{f.metadata['help']} (default: {f.default})")
     flat: list[str] = []
@@ -94,7 +108,6 @@ def parse_args(argv: list[str]) -> OfflineConfig:
 def load_prompts(cfg: OfflineConfig, tokenizer) -> tuple[list[list[int]], str]:
     """(prompt token ids, data-source description): chat-templated text prompts or raw token-id prompts."""
     if cfg.data is None:
-        from tlt.tasks.default_task import make_examples
         messages = [row["prompt"] for row in make_examples("train", cfg.num_prompts, cfg.seed)]
         source = f"tlt default task (train split, seed {cfg.seed})"
     else:
@@ -102,7 +115,6 @@ def load_prompts(cfg: OfflineConfig, tokenizer) -> tuple[list[list[int]], str]:
                 if cfg.data.endswith(".jsonl") else None)
         if rows and "prompt_token_ids" in rows[0]:
             return [list(map(int, r["prompt_token_ids"])) for r in rows[:cfg.num_prompts]], cfg.data
-        from tlt.rl.data import load_examples
         messages = [ex.messages for ex in load_examples([cfg.data], None)[0][:cfg.num_prompts]]
         source = cfg.data
     if tokenizer is None:
@@ -143,7 +155,6 @@ def train_drafter(cfg: OfflineConfig, command: str | None = None) -> dict:
     if cfg.window_len > cfg.batch_tokens:
         raise ValueError(f"window_len={cfg.window_len} > batch_tokens={cfg.batch_tokens}: lower window_len")
     if cfg.model is None:
-        from tlt.models.smollm import default_model_path
         cfg = dataclasses.replace(cfg, model=str(default_model_path()))
     model_dir = Path(cfg.model)
     threads = torch.get_num_threads()
@@ -175,7 +186,7 @@ def _train_drafter(cfg: OfflineConfig, model_dir: Path, command: str | None) -> 
           f"{torch.get_num_threads()} threads)")
 
     torch.manual_seed(cfg.seed)
-    drafter = Drafter(target.cfg).to(next(target.parameters()).device).attach(target)
+    drafter = Drafter(target.cfg, fc_bias=cfg.fc_bias).to(next(target.parameters()).device).attach(target)
     if cfg.draft_vocab:
         drafter.d2t = build_draft_vocab(counts, cfg.draft_vocab).to(drafter.fc.weight.device)
         covered = float(counts[drafter.d2t.cpu()].sum() / counts.sum())
@@ -266,11 +277,15 @@ def drafter_cache_dir(model_path: str | Path, build: dict | None = None) -> Path
     return cache_root() / "drafters" / name
 
 
+# keys added after builds were named, at the value every build had before: left out, so those keep their names
+_ADDED_LATER = {"fc_bias": True}
+
+
 def _canonical(build: dict) -> dict:
     """A build with OfflineConfig's defaults filled in, so that equal builds compare equal however spelled; without
     the keys that change how it runs, not what it builds (threads, logging)."""
     return {k: v for k, v in dataclasses.asdict(OfflineConfig(**build)).items()
-            if k not in ("out", "model", *_RUN_ONLY)}
+            if k not in ("out", "model", *_RUN_ONLY) and not (k in _ADDED_LATER and v == _ADDED_LATER[k])}
 
 
 def default_drafter_path(model_path: str | Path | None = None, build: dict | None = None) -> Path:
@@ -278,7 +293,6 @@ def default_drafter_path(model_path: str | Path | None = None, build: dict | Non
     `build` (OfflineConfig fields; default DEFAULT_BUILD); built on the first call (temp dir + rename, so a crash
     or a concurrent builder never leaves a half-written drafter)."""
     if model_path is None:
-        from tlt.models.smollm import default_model_path
         model_path = default_model_path()
     model_path = Path(model_path)
     build = DEFAULT_BUILD if build is None else build

@@ -370,7 +370,7 @@ class OnlineDrafterHook(DrafterHook):
 def training_copy(engine_drafter: Drafter) -> Drafter:
     """An fp32 copy of the engine's drafter sharing the target's frozen embedding and LM head, and its draft
     vocabulary: what a drafter round trains (here, and on a Ray replica)."""
-    d = Drafter(engine_drafter.cfg).attach(engine_drafter.target)
+    d = Drafter(engine_drafter.cfg, fc_bias=engine_drafter.fc_bias).attach(engine_drafter.target)
     d.to(next(engine_drafter.parameters()).device, torch.float32)
     d.load_state_dict(engine_drafter.state_dict(), strict=False)
     d.d2t = engine_drafter.d2t  # reduced draft vocabulary (not in the state dict)

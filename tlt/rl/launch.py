@@ -21,11 +21,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from tlt.bundles import assign_bundles
 from tlt.config import Config, ConfigError
 from tlt.device import resolve_device
+from tlt.drafter_train import offline
+from tlt.models import smollm
 from tlt.rl.advantages import get_adv_estimator
 from tlt.rl.losses import get_policy_loss
-from tlt.rl.tiny_model import TINY_MODEL_NAME
+from tlt.rl.preflight import check_run
+from tlt.rl.tiny_model import TINY_MODEL_NAME, tiny_random_model_path
+from tlt.tasks import default_task
 
 DEFAULT_TRAIN_SIZE, DEFAULT_VAL_SIZE = 2048, 64  # default task files when tlt.tasks has no default_datasets()
 
@@ -113,7 +118,6 @@ def gather(obj: Any, info: DistInfo) -> list[Any]:
 def write_default_datasets(out_dir: str | Path, n_train: int = DEFAULT_TRAIN_SIZE, n_val: int = DEFAULT_VAL_SIZE,
                            seed: int = 0) -> tuple[Path, Path]:
     """train.jsonl / val.jsonl of the default task (verl rows), written once into out_dir."""
-    from tlt.tasks.default_task import make_examples
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -121,7 +125,7 @@ def write_default_datasets(out_dir: str | Path, n_train: int = DEFAULT_TRAIN_SIZ
         path = out_dir / f"{split}.jsonl"
         if not path.is_file():
             tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text("".join(json.dumps(row) + "\n" for row in make_examples(split, n, seed)))
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in default_task.make_examples(split, n, seed)))
             os.replace(tmp, path)
         paths.append(path)
     return paths[0], paths[1]
@@ -140,26 +144,22 @@ def prepare_config(cfg: Config, info: DistInfo) -> None:
     the default drafter (default model + eagle + speculative.model=null: the cached warm-up drafter)."""
     default_data = not cfg.data.train_files
     if default_data:
-        import tlt.tasks.default_task as default_task
         out_dir = Path(cfg.trainer.default_local_dir) / "data" / "default_task"
         make = getattr(default_task, "default_datasets", None) or write_default_datasets
         train_path, val_path = _on_main(info, lambda: make(str(out_dir)))  # written once, by rank 0
         cfg.data.train_files = [str(train_path)]
         cfg.data.val_files = cfg.data.val_files or [str(val_path)]
     if cfg.model.path is None:
-        from tlt.models.smollm import default_model_path
         try:
-            cfg.model.path = str(_on_main(info, default_model_path))
+            cfg.model.path = str(_on_main(info, smollm.default_model_path))
         except (FileNotFoundError, ImportError) as e:
             raise ConfigError(f"model.path is null (the default model) but it is not available: {e}") from None
         s = cfg.speculative
         if s.enabled and s.method == "eagle" and s.model is None:
-            from tlt.drafter_train.offline import default_drafter_path, warmup_build  # built once, then cached
-            build = warmup_build(cfg.drafter_train, None if default_data else cfg.data.train_files[0],
-                                 temperature=cfg.rollout.temperature)
-            s.model = str(_on_main(info, lambda: default_drafter_path(cfg.model.path, build)))
+            build = offline.warmup_build(cfg.drafter_train, None if default_data else cfg.data.train_files[0],
+                                         temperature=cfg.rollout.temperature)
+            s.model = str(_on_main(info, lambda: offline.default_drafter_path(cfg.model.path, build)))
     elif cfg.model.path == TINY_MODEL_NAME:
-        from tlt.rl.tiny_model import tiny_random_model_path
         if info.is_main:
             tiny_random_model_path()
         if info.world_size > 1:
@@ -171,8 +171,6 @@ def train_on_placement(cfg: Config, run_rank: Callable[[Config], Any]) -> Any:
     """`tlt train` under trainer.placement, in the launching process: every check that needs no model (ConfigErrors
     before Ray starts), then `run_rank(cfg)` in each trainer rank, a Ray actor on its bundle, with the rollout
     replicas on theirs (tlt.workers.trainer_group). Returns rank 0's result."""
-    from tlt.preflight import check_run
-    from tlt.workers.bundles import assign_bundles
     t = cfg.trainer
     a = assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus)
     check_run(cfg)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
 from tlt.config import RewardConfig
-from tlt.rl.data import PromptExample
+from tlt.prompts import PromptExample
 from tlt.rl.reward_pool import ErrorKind, FileFunction, Outcome, RewardError, RewardPool, ScoreCall, run_call
 from tlt.tasks import SCORERS as TASK_SCORERS
 

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
+from tlt.config import Config
 from tlt.engine.outputs import RequestOutput
 from tlt.engine.params import SamplingParams
-from tlt.rl.data import PromptExample
-
-if TYPE_CHECKING:
-    from tlt.config import Config
+from tlt.prompts import PromptExample
 
 
 def rollout_seed(seed: int, step: int, attempt: int = 0) -> int:

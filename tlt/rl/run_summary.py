@@ -20,12 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tlt.llm import LLM
+from tlt.rl.rollout import rollout_request
+
 COMPARE_PAIRS = 2  # plain/SD pairs of the closing comparison
 
 
 def compare_sd(trainer) -> dict[str, Any] | None:
     """{with_sd_s, without_sd_s, speedup, accept_length, ...} for the next step's rollout, or None without SD."""
-    from tlt.llm import LLM
     if trainer.llm.spec is None or trainer.start_step >= trainer.cfg.trainer.total_steps:  # no step ran here
         return None
     if getattr(trainer, "engine_on_host", False) and trainer.device.type == "cuda":
@@ -101,7 +103,6 @@ def drafter_account(run_dir: Path, cfg) -> dict[str, Any] | None:
 def next_rollout(trainer) -> tuple[list, list]:
     """(prompts, sampling params) of this rank's share of the rollout step total_steps + 1 would sample: the next
     training prompts (the data stream does not move) and that step's seeds, without hidden states."""
-    from tlt.rl.rollout import rollout_request
     return rollout_request(trainer.train_data.peek_batch(), trainer.cfg, trainer.cfg.trainer.total_steps + 1, 0,
                            trainer.dist.rank, trainer.prompts_per_rank)
 

@@ -55,16 +55,17 @@ from tlt.device import DTYPES, huge_pages_for_host_tensors, retain_freed_host_me
 from tlt.drafter_train.hook import DrafterHook
 from tlt.engine.outputs import RequestOutput
 from tlt.faults import fault_point
-from tlt.preflight import check_run
+from tlt.prompts import load_examples
 from tlt.rl import fsdp
 from tlt.rl.actor import Actor
 from tlt.rl.advantages import compute_advantages, groups_to_keep, keep_mask
 from tlt.rl.checkpoint import (CheckpointManager, CheckpointSpaceError, TrainerState, capture_rng_state,
                                copy_hf_side_files, load_trainer_state, restore_rng_state, tensor_bytes)
-from tlt.rl.data import PromptDataset, load_examples
+from tlt.rl.data import PromptDataset
 from tlt.rl.launch import (DistInfo, check_launch, check_ranks, config_device, gather, init_distributed,
                            prepare_config, train_on_placement)
 from tlt.rl.logging import MetricsLogger, PhaseTimer, flat_numbers, reduce_metrics, rollout_metrics
+from tlt.rl.preflight import check_run
 from tlt.rl.rewards import RewardManager
 from tlt.rl.rollout import ActorBatch, RolloutBatch, generate_rollouts, rollout_request
 from tlt.rl.sharded_checkpoint import SHARDS_DIR, consolidated, load_sharded, save_sharded, shard_bytes
@@ -85,7 +86,7 @@ class GRPOTrainer:
         from tlt.llm import LLM
         from tlt.models.loader import load_model, load_tokenizer
 
-        check_run(cfg)  # every input checked before any expensive work (tlt.preflight)
+        check_run(cfg)  # every input checked before any expensive work (tlt.rl.preflight)
         device = config_device(cfg)
         self.cfg, self.dist = cfg, init_distributed(device.type, single_rank=cfg.actor.strategy == "fsdp")
         if cfg.actor.strategy == "fsdp" and not dist.is_initialized():

@@ -4,7 +4,8 @@ Input at position t: concat(embed(x_{t+1}), h_t) -> fc (2H -> H) -> one decoder 
 norm) -> predicted h_{t+1}; the target's LM head turns it into logits for x_{t+2}. Embedding and LM head are the
 target's, shared and frozen (held by reference, never saved with the drafter). Only `fc` and `layer` train.
 Optional reduced draft vocabulary: `d2t` maps draft ids -> target ids; drafting then uses only those rows of
-the LM head (the head dominates draft cost for a small target with a large vocabulary).
+the LM head (the head dominates draft cost for a small target with a large vocabulary). `fc_bias=False` builds fc
+without its bias: with the full vocabulary that is vLLM's stock EAGLE-1 drafter (tlt.export.vllm).
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from tlt.models.kernels import Linear, linear
 
 
 class Drafter(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fc_bias: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.fc_bias = fc_bias
+        self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
         self.layer = DecoderLayer(cfg, 0, input_norm=False)
         self.rotary = Rotary(cfg)
         self.register_buffer("d2t", None, persistent=False)  # [V_draft] target ids of the draft vocabulary

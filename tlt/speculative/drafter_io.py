@@ -1,5 +1,5 @@
-"""Save/load the drafter's trainable weights, export them in the EAGLE layout SGLang and vLLM load, and build a
-reduced draft vocabulary.
+"""Save/load the drafter's trainable weights, export them in the EAGLE layout SGLang loads, and build a reduced
+draft vocabulary.
 
 tlt format (`save_drafter`): drafter.safetensors with our own keys (fc.*, layer.*; fused qkv_proj / gate_up_proj)
 + drafter_config.json (the ModelConfig) + draft_vocab.safetensors when the drafter has a reduced vocabulary.
@@ -11,17 +11,13 @@ EAGLE format (`export_eagle`), checked against the serving code (read via the co
   replaces input_layernorm with identity (EAGLE-1), so no input_layernorm key is written. embed_tokens / lm_head
   are taken from the target. A reduced vocabulary goes to `--speculative-token-map`, a torch.load-able list of hot
   token ids (SGLang's load_token_map), written here as hot_token_ids.pt.
-- vLLM vllm/model_executor/models/llama_eagle.py: class `EagleLlamaForCausalLM`; vLLM's EAGLEConfig renames the
-  draft config's architectures "X" -> "EagleX", so the vLLM flavour keeps the target's own architectures
-  ("LlamaForCausalLM"). Same keys (q_proj/k_proj/v_proj and gate_proj/up_proj are stacked on load). Its V1 fc is
-  built with bias=False and unknown keys are skipped, so a nonzero fc.bias is silently dropped there (we warn);
-  older vLLM read `eagle_fc_bias` from the config, which we set.
+- vLLM: `tlt export-drafter` (tlt.export.vllm), which refuses what vLLM's stock EAGLE-1 class would load and draft
+  differently with (it drops fc.bias without a word and has no draft vocabulary).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -42,6 +38,8 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, extra: dict | None = Non
     state = {k: v.detach().contiguous().cpu() for k, v in drafter.trainable_state_dict().items()}
     write_safetensors(state, out / "drafter.safetensors", metadata={"format": "pt"})
     meta = {"format": "tlt-drafter-v1", "model_config": dataclasses.asdict(drafter.cfg), "extra": extra or {}}
+    if not drafter.fc_bias:  # written only when off: directories saved before the option read as fc with bias
+        meta["fc_bias"] = False
     (out / "drafter_config.json").write_text(json.dumps(meta, indent=2))
     if drafter.d2t is not None:
         save_draft_vocab(drafter.d2t, out / "draft_vocab.safetensors")
@@ -57,7 +55,8 @@ def load_drafter(path: str | Path, drafter: Drafter | None = None, device: str =
         raise FileNotFoundError(f"{path} has no drafter.safetensors: pass a directory written by save_drafter")
     meta = json.loads((path / "drafter_config.json").read_text())
     if drafter is None:
-        drafter = Drafter(ModelConfig(**meta["model_config"])).to(device=device, dtype=dtype)
+        drafter = Drafter(ModelConfig(**meta["model_config"]), fc_bias=meta.get("fc_bias", True)).to(
+            device=device, dtype=dtype)
     state = load_file(str(path / "drafter.safetensors"), device=str(next(drafter.parameters()).device))
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     missing = [k for k in missing if k.startswith(("fc.", "layer."))]
@@ -73,7 +72,7 @@ def eagle_state_dict(drafter: Drafter) -> dict[str, torch.Tensor]:
     """Trainable weights under EAGLE/HF names: fc.*, layers.0.self_attn.{q,k,v,o}_proj, layers.0.mlp.*."""
     cfg, sd = drafter.cfg, drafter.trainable_state_dict()
     nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    out = {"fc.weight": sd["fc.weight"], "fc.bias": sd["fc.bias"]}
+    out = {k: sd[k] for k in ("fc.weight", "fc.bias") if k in sd}
     a, p = "layer.self_attn.", "layers.0.self_attn."
     for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
         for name, w in zip("qkv", sd[a + f"qkv_proj.{kind}"].split([nq, nkv, nkv])):
@@ -90,27 +89,25 @@ def eagle_state_dict(drafter: Drafter) -> dict[str, torch.Tensor]:
 
 def export_eagle(drafter: Drafter, target_hf_config: dict, out_dir: str | Path, flavour: str = "sglang",
                  dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write config.json + model.safetensors (+ hot_token_ids.pt) that SGLang ("sglang") or vLLM ("vllm") load
-    as an EAGLE-1/2 draft model for the target whose HF config is `target_hf_config`."""
-    if flavour not in ("sglang", "vllm"):
-        raise ValueError(f"flavour must be 'sglang' or 'vllm', got {flavour!r}")
+    """Write config.json + model.safetensors (+ hot_token_ids.pt) that SGLang loads as an EAGLE-1/2 draft model for
+    the target whose HF config is `target_hf_config`. For vLLM use `tlt export-drafter` (tlt.export.vllm)."""
+    if flavour == "vllm":
+        raise ValueError("export for vLLM with `tlt export-drafter DIR --out OUT` (tlt.export.vllm): vLLM's stock "
+                         "EAGLE-1 class drops fc.bias and has no draft vocabulary, which that export checks")
+    if flavour != "sglang":
+        raise ValueError(f"flavour must be 'sglang', got {flavour!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = dict(target_hf_config)
-    if flavour == "sglang":
-        if drafter.cfg.family not in _SGLANG_ARCH:
-            raise ValueError(f"SGLang has no EAGLE-1 draft class for family {drafter.cfg.family!r} (it has "
-                             f"{sorted(_SGLANG_ARCH.values())}); export with flavour='vllm' or serve with tlt")
-        cfg["architectures"] = [_SGLANG_ARCH[drafter.cfg.family]]
-    else:
-        if bool(drafter.fc.bias.detach().abs().max() > 0):
-            warnings.warn("vLLM V1's EagleLlamaForCausalLM has no fc bias and skips fc.bias: its outputs will "
-                          "differ from tlt's drafter unless the bias is zero", stacklevel=2)
-        cfg["eagle_fc_bias"] = True
+    if drafter.cfg.family not in _SGLANG_ARCH:
+        raise ValueError(f"SGLang has no EAGLE-1 draft class for family {drafter.cfg.family!r} (it has "
+                         f"{sorted(_SGLANG_ARCH.values())}); serve with tlt")
+    cfg["architectures"] = [_SGLANG_ARCH[drafter.cfg.family]]
     cfg["num_hidden_layers"] = 1
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     cfg.pop("layer_types", None)  # per-layer lists of the target would not match one layer
     state = {k: v.to(dtype) for k, v in eagle_state_dict(drafter).items()}
+    state.setdefault("fc.bias", torch.zeros(drafter.cfg.hidden_size, dtype=dtype))  # SGLang's fc has one
     write_safetensors(state, out / "model.safetensors", metadata={"format": "pt"})
     if drafter.d2t is not None:
         torch.save(drafter.d2t.cpu().tolist(), out / "hot_token_ids.pt")
@@ -124,12 +121,14 @@ def load_eagle(path: str | Path, drafter: Drafter) -> Drafter:
     cfg = drafter.cfg
     dtype = next(drafter.parameters()).dtype
     p = "layers.0."
-    state = {"fc.weight": hf["fc.weight"], "fc.bias": hf.get("fc.bias", torch.zeros(cfg.hidden_size)),
+    state = {"fc.weight": hf["fc.weight"],
              "layer.self_attn.qkv_proj.weight": torch.cat([hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
              "layer.self_attn.o_proj.weight": hf[p + "self_attn.o_proj.weight"],
              "layer.mlp.gate_up_proj.weight": torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]),
              "layer.mlp.down_proj.weight": hf[p + "mlp.down_proj.weight"],
              "layer.post_attention_layernorm.weight": hf[p + "post_attention_layernorm.weight"]}
+    if drafter.fc_bias:  # an EAGLE-1 checkpoint without one: zeros, the same function
+        state["fc.bias"] = hf.get("fc.bias", torch.zeros(cfg.hidden_size))
     if cfg.attention_bias:
         state["layer.self_attn.qkv_proj.bias"] = torch.cat([hf[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
     if cfg.qk_norm:

@@ -1,6 +1,6 @@
 """GPU placement on Ray: one placement group of GPU bundles, trainer ranks and rollout replicas pinned to them.
 
-    a = assign_bundles("colocated", nnodes=2, n_gpus_per_node=8)         # tlt.workers.bundles, no Ray
+    a = assign_bundles("colocated", nnodes=2, n_gpus_per_node=8)         # tlt.bundles, no Ray
     pg = create_placement_group(a)                                       # 16 bundles of {GPU: 1, CPU: 1}
     opts = rollout_options(pg, a, replica=3)                             # Ray actor options on bundle 3
     rollout = PlacedRollout(model_dir, a, replica_cfg, spot)             # SpotRollout with every replica placed
@@ -24,7 +24,7 @@ from ray.util.placement_group import (PlacementGroup, get_current_placement_grou
                                       remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tlt.workers.bundles import Assignment, assign_bundles
+from tlt.bundles import Assignment, assign_bundles
 from tlt.workers.ray_rollout import SpotRollout
 from tlt.workers.rollout_worker import ReplicaConfig, RolloutReplica
 from tlt.workers.shared_rollout import RankSharedRollout

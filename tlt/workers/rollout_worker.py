@@ -29,6 +29,7 @@ from typing import Sequence
 
 import torch
 
+from tlt.device import resolve_device, resolve_dtype
 from tlt.drafter_train.buffer import DrafterBuffer
 from tlt.drafter_train.online import training_copy
 from tlt.drafter_train.trainer import DrafterTrainer, should_publish
@@ -40,6 +41,7 @@ from tlt.models.config import ModelConfig
 from tlt.models.decoder import Decoder
 from tlt.speculative.config import SpecConfig
 from tlt.speculative.drafter import Drafter
+from tlt.speculative.drafter_io import load_drafter
 from tlt.speculative.spec_decoder import SpecDecoder
 
 Group = tuple[int, list[int]]  # (group_id, prompt_ids)
@@ -103,7 +105,6 @@ def build_decoder(model: str | Path | Decoder | ModelConfig, device: str, dtype:
     """A Decoder, or the path for tlt.LLM to load. A ModelConfig gives a randomly initialised Decoder whose
     weights are expected from set_policy_weights (the driver sends the trainer's state dict)."""
     if isinstance(model, ModelConfig):
-        from tlt.device import resolve_device, resolve_dtype
         dev = resolve_device(device)
         return Decoder(model).to(device=dev, dtype=resolve_dtype(dtype, dev)).eval()
     return model if isinstance(model, Decoder) else str(model)
@@ -143,7 +144,6 @@ class RolloutReplica:
         drafter = None
         if cfg.method == "eagle":
             if spec.get("model"):
-                from tlt.speculative.drafter_io import load_drafter
                 drafter = load_drafter(spec["model"])
             else:  # seeded: every replica starts from the same weights (one logical drafter, version 0)
                 with torch.random.fork_rng():

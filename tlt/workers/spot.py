@@ -20,6 +20,7 @@ from typing import Sequence
 
 from tlt.engine.outputs import RequestOutput
 from tlt.engine.params import SamplingParams
+from tlt.speculative.drafter_io import save_drafter
 from tlt.workers.rollout_worker import Group, ReplicaConfig, RolloutReplica
 
 
@@ -122,7 +123,6 @@ class LocalSpotRollout(SpotRolloutBase):
         return self.replica.drafter_state()
 
     def save_drafter(self, out_dir: str | Path) -> Path:
-        from tlt.speculative.drafter_io import save_drafter
         return save_drafter(self.replica.train_copy, out_dir, {"drafter_version": self.version})
 
     def run_step(self, groups: Sequence[Group], params, rl_step: int

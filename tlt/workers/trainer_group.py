@@ -1,6 +1,6 @@
 """Trainer ranks as Ray actors on their placement-group bundles, joined in one torch.distributed process group.
 
-    a = assign_bundles("colocated", nnodes=1, n_gpus_per_node=2)         # tlt.workers.bundles, no Ray
+    a = assign_bundles("colocated", nnodes=1, n_gpus_per_node=2)         # tlt.bundles, no Ray
     result = run_trainer_ranks(a, run_rank, cfg)     # run_rank(cfg) on every rank; rank 0's return value
 
 `tlt train CONFIG trainer.placement=...` runs this in the launching process (tlt.rl.launch.train_on_placement),
@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 
 from tlt.schema import UserError
-from tlt.workers.bundles import Assignment
+from tlt.bundles import Assignment
 from tlt.workers.placement import create_placement_group, trainer_options
 
 

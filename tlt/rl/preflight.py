@@ -14,6 +14,11 @@ import tempfile
 from pathlib import Path
 
 from tlt.config import Config, TrainerConfig
+from tlt.models import flex, smollm
+from tlt.models.config import ModelConfig
+from tlt.models.loader import load_tokenizer, weight_files
+from tlt.prompts import DataError, chat_ids, load_examples
+from tlt.rl.rewards import RewardError, load_custom_function
 from tlt.rl.tiny_model import TINY_MODEL_NAME
 from tlt.schema import UserError
 
@@ -40,15 +45,13 @@ def check_run(cfg: Config) -> None:
 
 def check_attention_backend(name: str) -> None:
     """rollout.attention=flex needs FlexAttention in this torch (auto falls back to sdpa by itself)."""
-    from tlt.models.flex import flex_available
-    if name == "flex" and not flex_available():
+    if name == "flex" and not flex.flex_available():
         raise UserError("rollout.attention=flex: this torch has no torch.nn.attention.flex_attention (it needs "
                         "torch >= 2.5); set rollout.attention=auto or sdpa")
 
 
 def check_data_files(paths: list[str], prompt_key: str, key: str) -> list:
-    """Every row of every file parsed and checked against the schema (tlt.rl.data's own row parser)."""
-    from tlt.rl.data import DataError, load_examples
+    """Every row of every file parsed and checked against the schema (tlt.prompts' own row parser)."""
     for path in paths:
         if not Path(path).is_file():
             raise UserError(f"{key}: data file not found: {path}")
@@ -64,8 +67,6 @@ def check_data_files(paths: list[str], prompt_key: str, key: str) -> list:
 def check_model_dir(path: str):
     """An HF model directory tlt can load: config.json of a supported architecture, safetensors weights, and a
     tokenizer. Returns the tokenizer (cheap to load), or None for a directory without tokenizer files."""
-    from tlt.models.config import ModelConfig
-    from tlt.models.loader import weight_files, load_tokenizer
     where = Path(path)
     fix = "set model.path to an HF model directory (config.json + *.safetensors), or null for the default model"
     if not where.is_dir():
@@ -95,7 +96,6 @@ def check_model_dir(path: str):
 def check_prompt_lengths(examples: list, tokenizer, cfg: Config, split: str) -> None:
     """Prompts over data.max_prompt_length: dropped and counted when data.filter_overlong_prompts, else an error;
     an error too when nothing would be left."""
-    from tlt.rl.data import chat_ids
     d = cfg.data
     too_long = [ex for ex in examples if len(chat_ids(tokenizer, ex.messages)) > d.max_prompt_length]
     if too_long and not d.filter_overlong_prompts:
@@ -109,7 +109,6 @@ def check_prompt_lengths(examples: list, tokenizer, cfg: Config, split: str) -> 
 
 def check_reward_function(spec: str) -> None:
     """reward.custom_function imports and is a function of a shape tlt can call."""
-    from tlt.rl.rewards import RewardError, load_custom_function
     try:
         load_custom_function(spec)
     except RewardError as e:
@@ -131,7 +130,6 @@ def model_size(model_path: str | None) -> tuple[int, int]:
     """(parameters, hidden size) from the model directory's weight files and config.json without loading them; the
     default model's (null) from its known size until it is converted; (0, 0) when unknown."""
     if model_path is None:
-        from tlt.models import smollm
         if not smollm.is_converted(smollm.cache_dir()):
             return smollm.NUM_PARAMETERS, smollm.HIDDEN_SIZE
         model_path = str(smollm.cache_dir())

@@ -1,0 +1,1 @@
+"""Deploying tlt's drafter elsewhere: `tlt export-drafter` writes it as a vLLM EAGLE draft model with a test vector."""
