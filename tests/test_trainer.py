@@ -479,8 +479,10 @@ def test_smoke_recipe_with_eagle_sd_and_online_drafter(tmp_path, monkeypatch, ca
     assert min(cmp["with_sd_s"] + cmp["without_sd_s"]) > 0 and cmp["speedup"] > 0
     # the same engine weights (rollout.dtype=auto: a bf16 copy on bf16 CPUs) with SD on and off: the same samples
     assert cmp["same_tokens"] is True and cmp["tokens"] > 0
-    # what the online drafter did, in the summary (a round every step here)
-    assert summary["drafter"]["rounds"] == 3 and summary["drafter"]["why"] is None
+    # what the online drafter did, in the summary (a round every step here; with spot on, one step later)
+    account = summary["drafter"]
+    assert account["rounds"] >= 2 and account["why"] is None
+    assert account["published"] + account["refused"] == account["rounds"]
     assert cmp["accept_length"] is None or cmp["accept_length"] >= 1  # None: only the "off" arm was chosen
     assert (run_dir / "report.html").is_file() and summary["report"] == str(run_dir / "report.html")
     assert (run_dir / "drafters.png").is_file() and "drafters.png" in (run_dir / "report.html").read_text()
