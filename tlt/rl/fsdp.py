@@ -37,9 +37,10 @@ def checkpoint_layers(model: Decoder) -> None:
         checkpoint(layer)
 
 
-def shard_model(model: Decoder, cfg: ActorConfig) -> Decoder:
-    """Shard `model` in place (each decoder layer, then the root) over the default process group."""
-    device = next(model.parameters()).device
+def shard_model(model: Decoder, cfg: ActorConfig, device: torch.device | None = None) -> Decoder:
+    """Shard `model` in place (each decoder layer, then the root) over the default process group. `device`: where
+    it computes (default: where its parameters are; pass it for a model on the meta device)."""
+    device = torch.device(device) if device is not None else next(model.parameters()).device
     if cfg.fsdp_offload and device.type != "cuda":
         raise ValueError("actor.fsdp_offload=true needs a CUDA device (FSDP's CPU offload pins host memory for "
                          f"copies to the GPU); the model is on {device.type}: set actor.fsdp_offload=false")
@@ -66,15 +67,15 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def max_over_ranks(n: int) -> int:
-    t = torch.tensor([n], dtype=torch.long)
+    t = torch.tensor([n], dtype=torch.long)  # a host scalar: gloo's part of the group (tlt.rl.launch)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t)
 
 
-def idle_micro_batch(model: Decoder, backward: bool) -> None:
+def idle_micro_batch(model: Decoder, device: torch.device, backward: bool) -> None:
     """A forward (and backward) through every sharded unit contributing nothing: keeps this rank's collectives in
-    step with ranks that have more micro-batches."""
-    device = next(model.parameters()).device
+    step with ranks that have more micro-batches. `device`: where the model computes, which under
+    actor.fsdp_offload is not where its (host) parameters are."""
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     with torch.set_grad_enabled(backward):
         out = model.logits(model(ids)).sum() * 0.0

@@ -38,8 +38,13 @@ class SyncStats:
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: all-gathered from the ranks' shards when `param` is a DTensor (collective)."""
-    return param.full_tensor() if hasattr(param, "full_tensor") else param
+    """The whole tensor: all-gathered from the ranks' shards when `param` is a DTensor (collective), on its mesh's
+    device (under actor.fsdp_offload a shard lives in host memory: its gather then runs on NCCL, not on gloo)."""
+    if not hasattr(param, "full_tensor"):
+        return param
+    if param.device.type != param.device_mesh.device_type:
+        param = param.to(param.device_mesh.device_type)
+    return param.full_tensor()
 
 
 def sync_units(model: Decoder) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
