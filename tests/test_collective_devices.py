@@ -145,3 +145,25 @@ def test_the_checker_refuses_a_host_scalar_on_an_nccl_only_group():
     finally:
         dist.destroy_process_group()
     assert verdicts == {"nccl": {"c10d.allreduce_ on cpu": 1}, "cpu:gloo,cuda:nccl": {}}
+
+
+def test_the_idle_micro_batch_runs_on_the_compute_device():
+    """Under actor.fsdp_offload the shards live in host memory while the model computes on the GPU: the idle forward's
+    input goes to the compute device (meta stands in for it here), not to where the parameters are."""
+    from tlt.rl import fsdp
+    seen = []
+
+    class Stub(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))  # on the host
+
+        def forward(self, ids):
+            seen.append(ids.device.type)
+            return torch.zeros(1, 1, 1, device=ids.device)
+
+        def logits(self, hidden):
+            return hidden
+
+    fsdp.idle_micro_batch(Stub(), torch.device("meta"), backward=False)
+    assert seen == ["meta"]
