@@ -101,7 +101,8 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], model_dir: s
         checker = DeviceChecker(accepted)
         with checker, exempt_object_collectives(checker):
             GRPOTrainer(load_config(None, overrides)).fit()  # fsdp: the trainer's, the actor's, FSDP's, DCP's
-            actor = Actor(load_model(model_dir), ActorConfig(**(CFG | {"grad_clip": 1.0}), strategy="ddp"), total_steps=1)
+            ddp = ActorConfig(**(CFG | {"grad_clip": 1.0}), strategy="ddp")
+            actor = Actor(load_model(model_dir), ddp, total_steps=1)
             actor.update(make_batch(0).rows(rank_rows(rank, world)), num_mini_batches=2)  # ddp's all-reduces
         if rank == 0:
             torch.save({"requested": requested[0], "accepted": accepted, "seen": checker.seen,
