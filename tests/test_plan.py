@@ -156,7 +156,7 @@ def test_hidden_state_records_are_what_the_speculator_keeps(tmp_path, tiny_llama
                                  "speculative.method=eagle", f"speculative.model={drafter_dir}",
                                  f"rollout.max_num_seqs={rows}", "rollout.dtype=float32", "model.dtype=float32",
                                  f"data.max_prompt_length={len(prompt)}", f"data.max_response_length={max_tokens}"])
-        llm = tlt.LLM(tiny_llama_dir, dtype="float32", max_num_seqs=rows,
+        llm = tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=rows,
                       speculative_config=cfg.speculative.engine_config(0))
         llm.generate([prompt] * 4, tlt.SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=1, ignore_eos=True))
         plan = memory_plan(cfg, m, 1, prompts_per_rank=1, prompt_len=len(prompt), responses=4)
