@@ -113,10 +113,10 @@ def test_every_collective_runs_on_a_device_its_group_accepts(tmp_path):
     tiny = build_tiny_model(tmp_path / "tiny")
     # 2 mini-batches (the second's old log-probs recomputed through the shards), a KL reference, a checkpoint at the
     # step (DCP shards, the consolidated weights, the disk-space agreement), clipping and the weight sync
-    overrides = train_overrides(tmp_path, tiny, **{"actor.strategy": "fsdp", "trainer.total_steps": 1,
-                                                   "trainer.save_freq": 1, "data.train_batch_size": 4,
-                                                   "actor.ppo_mini_batch_size": 2, "actor.grad_clip": 1.0,
-                                                   "rollout.n": 2, "data.max_response_length": 8, "reward.num_workers": 0})
+    overrides = train_overrides(tmp_path, tiny, **{
+        "actor.strategy": "fsdp", "trainer.total_steps": 1, "trainer.save_freq": 1, "data.train_batch_size": 4,
+        "actor.ppo_mini_batch_size": 2, "actor.grad_clip": 1.0, "rollout.n": 2, "data.max_response_length": 8,
+        "reward.num_workers": 0})
     out = tmp_path / "checked.pt"
     mp.spawn(_worker, args=(2, _free_port(), overrides, tiny, str(out)), nprocs=2, join=True)
     res = torch.load(out, weights_only=False)
