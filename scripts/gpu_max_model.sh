@@ -10,12 +10,14 @@
 #   bash scripts/gpu_max_model.sh --dry-run [RESULTS_DIR]  # the same commands on CPU with a tiny model (gloo,
 #                                                          # no offload); TLT_GPU_BENCH_CPU=1 does the same
 #
-# Settings: the policy is held in bf16 (model.dtype=bfloat16: 7B's fp32 weights, gradients and AdamW state would
-# need ~120 GB of host memory offloaded), no KL term (no reference model), no speculative decoding; 4 prompts x 4
-# responses of up to $MAX_RESPONSE tokens (default 256) on the smoke prompts. Per size in RESULTS_DIR/max_model:
-# <size>.log, <size>.rc (124 = timed out; an out-of-memory error is in the log) and <size>.json (the benchmark's
-# JSON line); summary.json and summary.txt list step time, peak and plan for every size in RESULTS_DIR (earlier
-# calls' too) and the largest that completed.
+# Settings: the policy is held in bf16 (model.dtype=$MODEL_DTYPE, default bfloat16: 7B's fp32 weights, gradients
+# and AdamW state would need ~120 GB of host memory offloaded; MODEL_DTYPE=float32 keeps fp32 master weights under
+# FSDP's bf16 mixed precision, as scripts/gpu_bench.sh's fsdp stage does at 0.5B), no KL term (no reference model),
+# no speculative decoding; 4 prompts x 4 responses of up to $MAX_RESPONSE tokens (default 256) on the smoke prompts.
+# Per size in RESULTS_DIR/max_model: <size>.log, <size>.rc (124 = timed out; an out-of-memory error is in the log)
+# and <size>.json (the benchmark's JSON line); summary.json and summary.txt list step time, peak and plan for every
+# size in RESULTS_DIR (earlier calls' too) and the largest that completed. Exit status 1 when no size of this call
+# completed.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -29,12 +31,14 @@ trap 'rm -rf "$WORK"' EXIT
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TLT_CACHE="$WORK/cache" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 MAX_RESPONSE=${MAX_RESPONSE:-256}
+MODEL_DTYPE=${MODEL_DTYPE:-bfloat16}
 if [ "$CPU" = 1 ]; then   # tiny scale on CPU: checks the commands and files, measures nothing about GPUs
     SIZES=${SIZES:-tiny}; DEVICE=cpu; OFFLOAD=false; T_BUILD=60; T_STEP=240; MAX_RESPONSE=8
 else
     SIZES=${SIZES:-0.5b 1.5b 3b 7b}; DEVICE=cuda; OFFLOAD=true; T_BUILD=240; T_STEP=540
 fi
 
+completed=0
 for size in $SIZES; do
     shape=qwen2-$size; [ "$size" = tiny ] && shape=tiny
     model=$WORK/model-$size
@@ -46,13 +50,14 @@ for size in $SIZES; do
         echo "== $size: one GRPO step, fsdp + offload=$OFFLOAD"
         timeout --kill-after=5 "$T_STEP" $PY -m torch.distributed.run --standalone --nproc_per_node 1 \
             -m tlt bench memory configs/smoke.yaml --steps 1 model.path="$model" model.device="$DEVICE" \
-            model.dtype=bfloat16 actor.strategy=fsdp actor.fsdp_offload="$OFFLOAD" actor.use_kl_loss=false \
+            model.dtype="$MODEL_DTYPE" actor.strategy=fsdp actor.fsdp_offload="$OFFLOAD" actor.use_kl_loss=false \
             speculative.enabled=false data.train_batch_size=4 rollout.n=4 actor.ppo_mini_batch_size=4 \
             data.max_response_length="$MAX_RESPONSE" reward.num_workers=0 >>"$RESULTS/$size.log" 2>&1
         rc=$?
     fi
     echo "$rc" >"$RESULTS/$size.rc"
     grep '^{' "$RESULTS/$size.log" | tail -n 1 >"$RESULTS/$size.json"
+    [ "$rc" = 0 ] && [ -s "$RESULTS/$size.json" ] && completed=$((completed + 1))
     echo "   rc=$rc"
     rm -rf "$model"
 done
@@ -88,3 +93,4 @@ lines.append(f"largest completed: {largest}")
 print("\n".join(lines))
 print(json.dumps({"bench": "gpu_max_model", "largest_completed": largest, "rc": {k: v["rc"] for k, v in rows.items()}}))
 EOF
+[ "$completed" -gt 0 ]

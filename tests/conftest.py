@@ -19,6 +19,33 @@ torch.set_num_threads(1)
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
+def pytest_runtest_setup(item):
+    """@pytest.mark.needs("math_verify", ...): the test skips, naming them, where one of these modules of tlt's
+    dependencies cannot be imported (a benchmark machine that has only torch, transformers and tlt's core needs:
+    scripts/gpu_bench.sh runs the suite there); where tlt is installed whole, as in CI, it runs."""
+    import importlib.util
+    for mark in item.iter_markers("needs"):
+        missing = []
+        for name in mark.args:
+            try:
+                found = importlib.util.find_spec(name) is not None
+            except ImportError:
+                found = False
+            if not found:
+                missing.append(name)
+        if missing:
+            pytest.skip(f"needs {', '.join(missing)}, not installed here")
+
+
+def no_avx512_bf16(what: str) -> str:
+    """The skip reason of a test of tlt's bf16 CPU paths where tlt.device.cpu_has_avx512_bf16() is false: which of its
+    two causes holds, and what is not checked here (`pytest -rs` lists it)."""
+    from tlt.device import _cpu_flags, cpu_capability
+    cause = ("this CPU has no avx512_bf16" if "avx512_bf16" not in _cpu_flags() else
+             f"torch runs {cpu_capability()} kernels here, not AVX512 (ATEN_CPU_CAPABILITY), so no avx512_bf16")
+    return f"{cause}: {what} not checked on this machine"
+
+
 def make_tiny_checkpoint(path, family: str = "llama", vocab_size: int = 128, hidden_size: int = 64,
                          num_layers: int = 2, tie: bool = False, seed: int = 0, **extra) -> str:
     """Save a tiny random transformers model of `family` to `path` and return the path."""

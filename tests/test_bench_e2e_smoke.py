@@ -58,6 +58,7 @@ def test_e2e_off_control_is_a_second_sd_off_process(tmp_path, capsys, monkeypatc
     assert result["costs"]["off_control"]["verify"] is None  # no SD step ran
 
 
+@pytest.mark.needs("reasoning_gym")
 def test_rollout_quick_all_modes(tmp_path, capsys):
     from tlt.models import load_model
     from tlt.rl.tiny_model import tiny_random_model_path

@@ -76,13 +76,17 @@ def train(model_dir: str, world: int = 1, rank: int = 0, local_norm: bool = Fals
 
 
 @contextlib.contextmanager
-def gloo_rank(rank: int, world: int, port: int):
-    """One spawned rank of a gloo group (torchrun's environment, one thread). After the body the ranks leave
-    together (rank 0 may still be writing), and the group is torn down whatever happened."""
+def gloo_rank(rank: int, world: int, port: int, init=None):
+    """One spawned rank of a gloo group (torchrun's environment, one thread), joined by `init()` (default: gloo's
+    init_process_group). After the body the ranks leave together (rank 0 may still be writing), and the group is
+    torn down whatever happened."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    if init is None:
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    else:
+        init()
     try:
         yield
         torch.distributed.barrier()

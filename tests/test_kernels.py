@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import tlt
+from tests.conftest import no_avx512_bf16
+from tlt.device import cpu_has_avx512_bf16
 from tlt.models import kernels
 from tlt.models.decoder import SMALL_QUERY_CPU
 from tlt.models.kernels import attention_bias, linear, small_query_attention
@@ -596,17 +598,15 @@ def test_engine_same_bits_in_both_fp32_layouts(tiny_llama_dir):
 
 
 @needs_small_gemm
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
+    not cpu_has_avx512_bf16(), reason=no_avx512_bf16("the bf16 fused layer's bitwise tree-node forwards")))])
 def test_a_forward_of_some_tree_nodes_is_the_full_forward_there(tiny_llama_dir, dtype):
     """Decoder.forward_nodes (SD verification of drafts of unequal length: each needed token alone, one query row
     at its sequence's cache slot) gives the needed tokens the hidden states and K/V the padded forward gives them,
     bit for bit, and leaves the other tokens' cache positions as they were. Rows sit at cache slot 2 on, with
     different cache lengths and 0-3 drafts; a row's slot read from the wrong row would change its bits."""
-    from tlt.device import cpu_has_avx512_bf16
     from tlt.engine.kv_cache import KVCache
     from tlt.speculative.verify import chain_to_tree, tree_layout
-    if dtype == "bfloat16" and not cpu_has_avx512_bf16():
-        pytest.skip("no AVX512-BF16: the fused bf16 layer does not serve here")
     model = tlt.models.load_model(tiny_llama_dir, dtype=getattr(torch, dtype))
     g = torch.Generator().manual_seed(0)
     B, k, s0 = 6, 3, 2

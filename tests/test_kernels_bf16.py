@@ -11,15 +11,17 @@ import torch
 import torch.nn.functional as F
 
 import tlt
+from tests.conftest import no_avx512_bf16
 from tests.test_kernels import intra_op_threads  # noqa: F401  (autouse: 1 and 2 threads)
 from tests.test_kernels import _cached_forward, _random_layer, count_fused_calls, fused_and_controls
 from tlt.device import cpu_has_amx_bf16, cpu_has_avx512_bf16
 from tlt.models import kernels
 from tlt.models.kernels import linear
 
-needs_bf16_kernel = pytest.mark.skipif(not cpu_has_avx512_bf16() or kernels.small_gemm_lib() is None,
-                                       reason="no AVX512-BF16 (or no C compiler): tlt's bf16 kernels do not run here")
-pytestmark = needs_bf16_kernel
+pytestmark = [pytest.mark.skipif(not cpu_has_avx512_bf16(),
+                                 reason=no_avx512_bf16("the bf16 kernels' exactness against float64")),
+              pytest.mark.skipif(kernels.small_gemm_lib() is None,
+                                 reason="no C compiler here: tlt's kernels did not build")]
 BF16_EPS = 2.0 ** -8  # a bf16 ulp at 1, relative
 
 
@@ -69,7 +71,8 @@ def test_small_gemm_bf16_rows_are_batch_independent():
             assert torch.equal(linear(x[3:3 + rows], w, b, out_fp32=True), full32[3:3 + rows])
 
 
-@pytest.mark.skipif(not cpu_has_amx_bf16(), reason="no AMX-BF16 on this CPU")
+@pytest.mark.skipif(not cpu_has_amx_bf16(), reason="no AMX-BF16 on this CPU" if cpu_has_avx512_bf16() else
+                    no_avx512_bf16("the AMX bf16 kernel's rounding"))
 def test_amx_is_opt_in_and_rounds_apart_from_vdpbf16ps(monkeypatch, matmul_unit):
     """On a CPU with AMX the bf16 kernel runs on the tiles where asked (TLT_BF16_AMX=1): its fp32 sums differ from
     vdpbf16ps's in the last bits (the switch is real), both within fp32 sums of the float64 product. oneDNN's ISA cap

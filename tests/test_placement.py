@@ -88,13 +88,13 @@ def test_sleep_refuses_mid_rollout(tiny_llama_dir):
 
 
 def test_a_disaggregated_rank_keeps_its_engine_copy_in_host_memory(tiny_llama_dir):
-    """tlt.rl.trainer.host_copy: the same weights (then rounded to bf16) and rotary buffers, on the CPU, frozen, built
-    tensor by tensor; control: a changed policy weight shows up as a difference."""
+    """tlt.rl.weight_sync.rollout_copy: the same weights (then rounded to bf16) and rotary buffers, on the CPU,
+    frozen, filled unit by unit; control: a changed policy weight shows up as a difference."""
     import torch
     from tlt.models.loader import load_model
-    from tlt.rl.trainer import host_copy
+    from tlt.rl.weight_sync import rollout_copy
     policy = load_model(tiny_llama_dir, dtype=torch.float32)
-    twin = host_copy(policy, torch.bfloat16)
+    twin = rollout_copy(policy, torch.bfloat16, "cpu")
     got, want = twin.state_dict(), policy.state_dict()
     assert got.keys() == want.keys()
     assert all(v.device.type == "cpu" and v.dtype == torch.bfloat16 and not v.requires_grad for v in got.values())

@@ -110,3 +110,60 @@ def test_unrolled_drafter_training_is_planned(tiny_llama_dir):
     one = memory_plan(load_config(None, base), m, 1).bytes("drafter training")
     three = memory_plan(load_config(None, base + ["drafter_train.ttt_steps=3"]), m, 1).bytes("drafter training")
     assert three - one > 13 * 2048 ** 2 and three > 2 * one
+
+
+def test_load_phase_holds_the_shards_not_the_whole_model():
+    """Loading (tlt.rl.fsdp.load_sharded_model, then the engine's copy filled from the shards) holds each rank's
+    parameter shards and one unit's gather: no gradients, AdamW state or whole fp32 model. The 32B recipe's trainer
+    GPU (16 ranks, its engine copy in host memory) loads under a sixth of the fp32 model. Control: the update phase
+    holds the gradients and AdamW state too."""
+    from tlt.plan import ALL_PHASES, role_plans
+    m = read_config("configs/models/qwen2.5-32b-instruct")
+    plan = role_plans(load_config("configs/qwen32b_32gpu.yaml"), m, 16, 16)["trainer"]
+    assert ALL_PHASES[0] == "load"
+    loaded = {r.name for r in plan.rows if "load" in r.phases and r.where == "device"}
+    assert loaded == {"parameters", "weight sync gather"}
+    assert plan.phase_bytes("load") == sum(plan.bytes(n) for n in loaded)
+    with torch.device("meta"):
+        from tlt.models.decoder import Decoder
+        whole_fp32 = sum(p.numel() for p in Decoder(m).parameters()) * 4
+    assert plan.bytes("parameters") < whole_fp32 / 15  # a 1/16 shard
+    assert plan.phase_bytes("load") < whole_fp32 / 6
+    assert plan.phase_bytes("update") - plan.phase_bytes("load") > plan.bytes("gradients") + plan.bytes("optimizer")
+
+
+def test_hidden_state_records_are_what_the_speculator_keeps(tmp_path, tiny_llama_dir, monkeypatch):
+    """The plan's hidden-state records are the bytes the engine's records hold at their largest in a rollout
+    (Sequence.hidden_record: per running row its whole length and the draft headroom, in the engine's dtype), at 2
+    and at 4 rows running; at 7B, 256 rows and 8k tokens they come to ~15 GB."""
+    import tlt
+    from tlt.engine.llm_engine import LLMEngine
+    from tlt.speculative.drafter import Drafter
+    from tlt.speculative.drafter_io import save_drafter
+    m = read_config(tiny_llama_dir)
+    drafter_dir = save_drafter(Drafter(m), tmp_path / "d")
+    held: list[int] = []
+    start = LLMEngine._start_records
+
+    def spy(self, seqs, hidden):
+        start(self, seqs, hidden)
+        held.append(sum(s.hidden_record.numel() * s.hidden_record.element_size() for s in self.running))
+    monkeypatch.setattr(LLMEngine, "_start_records", spy)
+    prompt, max_tokens = [3, 5, 7, 9, 11], 12
+    for rows in (2, 4):
+        held.clear()
+        cfg = load_config(None, [f"model.path={tiny_llama_dir}", "model.device=cpu", "speculative.enabled=true",
+                                 "speculative.method=eagle", f"speculative.model={drafter_dir}",
+                                 f"rollout.max_num_seqs={rows}", "rollout.dtype=float32", "model.dtype=float32",
+                                 f"data.max_prompt_length={len(prompt)}", f"data.max_response_length={max_tokens}"])
+        llm = tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=rows,
+                      speculative_config=cfg.speculative.engine_config(0))
+        llm.generate([prompt] * 4, tlt.SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=1, ignore_eos=True))
+        plan = memory_plan(cfg, m, 1, prompts_per_rank=1, prompt_len=len(prompt), responses=4)
+        assert max(held) == plan.bytes("hidden-state records"), (rows, held)
+    big = load_config(None, ["speculative.enabled=true", "speculative.method=eagle", "rollout.max_num_seqs=256",
+                             "rollout.dtype=bfloat16", "data.max_prompt_length=1024",
+                             "data.max_response_length=7168", "data.train_batch_size=32", "rollout.n=8"])
+    records = memory_plan(big, read_config("configs/models/deepseek-r1-distill-qwen-7b"), 1).bytes(
+        "hidden-state records")
+    assert 14e9 < records < 16e9

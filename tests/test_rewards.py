@@ -41,10 +41,12 @@ def test_last_boxed_and_format():
     ("\\boxed{7}", ["6", "7"], 1.0),  # several accepted answers
     ("\\boxed{3}", None, None),  # no ground truth: missing, not wrong
 ])
+@pytest.mark.needs("math_verify")
 def test_math_score(response, truth, expected):
     assert math_score("math", response, truth) == expected
 
 
+@pytest.mark.needs("math_verify")
 def test_manager_default_fallback_and_metrics():
     manager = RewardManager(RewardConfig(timeout_s=10))
     result = manager.score([ex("openai/gsm8k"), ex("openai/gsm8k"), ex("other", truth=None)],
@@ -55,6 +57,7 @@ def test_manager_default_fallback_and_metrics():
     assert result.metrics["reward/num_missing"] == 1.0
 
 
+@pytest.mark.needs("math_verify")
 def test_format_weight_adds_format_reward():
     manager = RewardManager(RewardConfig(format_weight=0.1, timeout_s=10))
     result = manager.score([ex(), ex()], ["\\boxed{4}", "3"])
@@ -115,6 +118,7 @@ def test_custom_function_from_path(tmp_path):
         RewardManager(RewardConfig(custom_function=f"{tmp_path}/missing.py:score"))
 
 
+@pytest.mark.needs("math_verify")
 def test_raising_reward_scores_zero_and_is_counted(caplog):
     manager = RewardManager(RewardConfig(timeout_s=10, format_weight=0.5))  # no format reward on failure
     result = manager.score([ex("test_raises"), ex()], ["\\boxed{3}", "\\boxed{3}"])
@@ -187,6 +191,7 @@ def counts(result) -> dict[str, float]:
                                                            "non_numbers")}
 
 
+@pytest.mark.needs("math_verify")
 def test_hung_scorer_is_killed_and_its_worker_replaced():
     with RewardManager(RewardConfig(timeout_s=1.0, num_workers=1)) as manager:
         first = manager.score([ex("test_pid")], ["x"]).extra[0]["pid"]
@@ -202,6 +207,7 @@ def test_hung_scorer_is_killed_and_its_worker_replaced():
         assert after.extra[0]["pid"] != first and alive(after.extra[0]["pid"])  # a fresh worker in its slot
 
 
+@pytest.mark.needs("math_verify")
 def test_crashing_scorers_score_zero_are_counted_and_scoring_goes_on():
     with RewardManager(RewardConfig(timeout_s=30, num_workers=2)) as manager:
         result = manager.score([ex("test_crashes")] * 5 + [ex()], ["ok", "exit", "segfault", "recursion", "ok",
@@ -229,6 +235,7 @@ def test_non_numbers_are_errors(num_workers):
     manager.close()
 
 
+@pytest.mark.needs("math_verify")
 def test_workers_give_the_in_process_rewards(tmp_path):
     path = tmp_path / "my_reward.py"
     path.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -341,6 +348,7 @@ def test_a_killed_trainer_leaves_no_worker_behind(tmp_path):
             os.kill(worker, 9)
 
 
+@pytest.mark.needs("reasoning_gym")
 def test_imports_are_not_the_calls_time(tmp_path):
     """A custom file's slow module-level imports run before the call's timeout starts; so does reasoning-gym, which
     the default task's scorer needs (preloaded by the workers' forkserver)."""

@@ -54,6 +54,7 @@ def test_final_number():
     assert final_number("none") is None
 
 
+@pytest.mark.needs("reasoning_gym")
 @pytest.mark.parametrize("level", DEFAULT_MIX, ids=lambda lvl: f"{lvl.generator}-{lvl.difficulty}")
 def test_score_right_wrong_malformed(level):
     row = next(make_examples("val", 1, seed=3, levels=(level,)))
@@ -73,11 +74,13 @@ def test_score_right_wrong_malformed(level):
     assert reward("") == 0.0
 
 
+@pytest.mark.needs("reasoning_gym")
 def test_score_without_extra_info_uses_data_source():
     assert score("tlt/chain_sum", "Answer: 12", "12", None) == 1.0
     assert score("tlt/products", "Answer: 13", "12", None) == 0.0
 
 
+@pytest.mark.needs("reasoning_gym")
 def test_score_other_reasoning_gym_task():
     row = next(make_examples("train", 1, seed=0, levels=(Level("spell_backward", "default"),)))
     truth = row["reward_model"]["ground_truth"]
@@ -85,6 +88,7 @@ def test_score_other_reasoning_gym_task():
     assert score(row["data_source"], "no answer here", truth, row["extra_info"]) == 0.0
 
 
+@pytest.mark.needs("reasoning_gym")
 def test_make_examples_mix_and_determinism():
     rows = list(make_examples("train", 2 * len(DEFAULT_MIX) + 1, seed=0))
     assert len(rows) == 2 * len(DEFAULT_MIX) + 1
@@ -112,6 +116,7 @@ def _check_schema(rows, n):
         assert {"generator", "difficulty", "metadata", "index", "split"} <= set(r["extra_info"])
 
 
+@pytest.mark.needs("reasoning_gym")
 @pytest.mark.parametrize("fmt", datagen.FORMATS)
 def test_write_dataset_default_mix(tmp_path, fmt):
     paths = datagen.write_dataset(tmp_path, None, n_train=20, n_val=7, seed=1, fmt=fmt)
@@ -127,6 +132,7 @@ def test_write_dataset_default_mix(tmp_path, fmt):
     assert not list(tmp_path.glob(".*tmp"))
 
 
+@pytest.mark.needs("reasoning_gym")
 def test_write_dataset_named_tasks(tmp_path):
     paths = datagen.write_dataset(tmp_path, ["chain_sum", "spell_backward"], n_train=6, n_val=2, fmt="parquet")
     rows = pq.read_table(paths["train"]).to_pylist()
@@ -171,6 +177,7 @@ def test_convert_gsm8k_rejects_bad_answer(tmp_path):
         conv.convert(bad, tmp_path / "out")
 
 
+@pytest.mark.needs("reasoning_gym")
 def test_default_task_rows_are_scored_by_the_task_scorer():
     """tlt/<generator> data sources route to the task's own scorer (prefix registration), not generic math."""
     from tlt.rl.rewards import get_reward_fn

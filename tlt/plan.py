@@ -3,10 +3,11 @@
     tlt plan [CONFIG.yaml] [key=value ...] [--world-size N] [--device-memory 80GiB] [--model-config DIR]
 
 Prints the bytes one device holds for the actor strategy (actor.strategy) at N ranks, per component and the phases
-of the RL step it is live in (docs/design.md §16): parameters, gradients and AdamW state (exact: counted from the
-model's shapes, FSDP2's dim-0 shards padded as fully_shard pads them), the reference model, the engine's weight
-copy, the largest micro-batch's activations and logits, FSDP's gathered layers, the rollout KV cache, CPU packed
-weights and the drafter (estimates; `tlt bench memory` measures them). The peak is the largest phase. Exits 2,
+it is live in (docs/design.md §16: loading, then those of the RL step): parameters, gradients and AdamW state
+(exact: counted from the model's shapes, FSDP2's dim-0 shards padded as fully_shard pads them), the reference model,
+the engine's weight copy, the largest micro-batch's activations and logits, FSDP's gathered layers, the rollout KV
+cache, the speculator's hidden-state records, CPU packed weights and the drafter (estimates; `tlt bench memory`
+measures them). The peak is the largest phase. Exits 2,
 naming the key to change, when the peak exceeds --device-memory (default: the CUDA
 device's memory when there is one; no check otherwise). --model-config plans from an architecture alone (a directory
 with an HF config.json, e.g. configs/models/qwen2.5-32b-instruct) instead of model.path; --world-size defaults to
@@ -52,7 +53,9 @@ def local_numel(shape: torch.Size, world: int) -> int:
     return rows * math.prod(shape[1:])
 
 
-ALL_PHASES = ("rollout", "old_log_prob", "ref_log_prob", "update", "weight_sync", "drafter")
+# "load": building the trainer (the policy's and reference's shards, the engine's copy filled from them)
+ALL_PHASES = ("load", "rollout", "old_log_prob", "ref_log_prob", "update", "weight_sync", "drafter")
+STEP_PHASES = ALL_PHASES[1:]
 FORWARD_PHASES = ("old_log_prob", "ref_log_prob")
 
 
@@ -144,9 +147,11 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
     shard_key = "actor.strategy=fsdp" if not fsdp else "more ranks (--world-size)"
     where = "host" if fsdp and a.fsdp_offload else "device"
     update, forward = ("update",), FORWARD_PHASES
+    # loading allocates only the parameters: under FSDP each rank's shard, filled from its rows of the checkpoint
+    # (tlt.rl.fsdp.load_sharded_model); gradients and AdamW state appear at the first update
     rows = [Row("parameters", numel * width, shard_key, where=where),
-            Row("gradients", numel * width, shard_key, where=where),
-            Row("optimizer", ADAM_STATES * numel * width, shard_key, where=where)]
+            Row("gradients", numel * width, shard_key, phases=STEP_PHASES, where=where),
+            Row("optimizer", ADAM_STATES * numel * width, shard_key, phases=STEP_PHASES, where=where)]
     if a.use_kl_loss:
         rows.append(Row("reference model", numel * width, "actor.use_kl_loss", where=where))
     rollout_width = 2 if cfg.rollout_dtype() == "bfloat16" else 4
@@ -160,11 +165,11 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
                         phases=forward + update))
         # the root unit (embedding, final norm, LM head): FSDP2 keeps it gathered after its forward
         root_numel = full_numel - m.num_layers * layer_numel
-        rows.append(Row("fsdp gathered root", root_numel * gathered, "actor.strategy"))
+        rows.append(Row("fsdp gathered root", root_numel * gathered, "actor.strategy", phases=STEP_PHASES))
         # the engine's refresh gathers one unit at a time (tlt.rl.weight_sync): the full tensors and the
-        # all-gather's buffer, for the largest unit
+        # all-gather's buffer, for the largest unit; its copy is first filled so, while the trainer is built
         rows.append(Row("weight sync gather", 2 * max(layer_numel, root_numel) * width, "actor.strategy",
-                        phases=("weight_sync",)))
+                        phases=("load", "weight_sync")))
     H, inter = m.hidden_size, m.intermediate_size
     qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
     # saved per token and layer for the backward: norm inputs/outputs, q/k/v, attention out, MLP in, gate/up, act
@@ -199,7 +204,7 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
     headroom = cfg.speculative.cache_headroom() if cfg.speculative.enabled else 0
     capacity = -(-(P + R + headroom) // step) * step
     kv = _kv_bytes(cfg, m, responses, capacity, m.num_layers, graphs)
-    rows.append(Row("kv cache", kv, "rollout.max_num_seqs"))
+    rows.append(Row("kv cache", kv, "rollout.max_num_seqs", phases=STEP_PHASES))
     # growing the cache copies it: the last growth holds the old cache (one rounding step shorter) beside the new
     rows.append(Row("kv cache growth", kv * (capacity - step) // capacity, "rollout.max_num_seqs",
                     phases=("rollout",)))
@@ -211,7 +216,7 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
         # the trainer's no-graph forwards (old log-probs, the reference model) pack full weights: under FSDP the
         # gathered ones, whose parameter objects outlive each gather
         packed += linear_numel * width * (int(recompute) + int(a.use_kl_loss))
-        rows.append(Row("packed weight copies", packed, "model.device (CPU inference kernels)"))
+        rows.append(Row("packed weight copies", packed, "model.device (CPU inference kernels)", phases=STEP_PHASES))
     s = cfg.speculative
     if s.enabled and s.method == "eagle":  # one decoder layer and the fc fusing (embedding, hidden state)
         drafter = layer_numel + 2 * H * H
@@ -219,6 +224,11 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
         draft_kv = _kv_bytes(cfg, m, responses, capacity, 1, graphs)  # its own one-layer cache, the target's length
         rows.append(Row("drafter", drafter * per + draft_kv + drafter * rollout_width * (not on_cuda),
                         "speculative.enabled"))
+        # the speculator's record of the target's hidden states, per running row its whole length with the headroom
+        # in the engine's dtype (Sequence.hidden_record, kept by the engine for its drafter), held while the rows decode
+        running = min(cfg.rollout.max_num_seqs, responses)
+        rows.append(Row("hidden-state records", running * (P + R + headroom) * H * rollout_width,
+                        "rollout.max_num_seqs or data.max_response_length", phases=("rollout",)))
         if cfg.drafter_train.enabled:  # hidden states kept from the rollout (bf16), FIFO-capped
             # a training batch's loss (tlt.drafter_train.trainer): the target's logits and softmax, fp32 [N, V]
             # each; per unrolled pass the drafter's logits, their log-softmax, the soft cross-entropy's product and
@@ -229,12 +239,13 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
             rows.append(Row("drafter training", train, "drafter_train.batch_tokens", phases=("drafter",)))
             steps = cfg.trainer.total_steps
             tokens = min(cfg.drafter_train.buffer_max_tokens, steps * responses * (R + 1))
-            rows.append(Row("drafter buffer", tokens * H * 2, "drafter_train.buffer_max_tokens",
+            rows.append(Row("drafter buffer", tokens * H * 2, "drafter_train.buffer_max_tokens", phases=STEP_PHASES,
                             where="host" if on_cuda else "device"))  # kept on the host (tlt.drafter_train.buffer)
     return Plan(rows)
 
 
-ENGINE_ROWS = ("rollout weights", "kv cache", "kv cache growth", "drafter", "drafter training", "drafter buffer")
+ENGINE_ROWS = ("rollout weights", "kv cache", "kv cache growth", "drafter", "drafter training", "drafter buffer",
+               "hidden-state records")
 
 
 def role_plans(cfg: Config, model_cfg: ModelConfig, trainer_ranks: int, replicas: int) -> dict[str, Plan]:

@@ -32,18 +32,29 @@ from tlt.rl.logging import PhaseTimer
 BOUNDARY = "tlt_memory_boundary"
 
 
-def _rss_peak() -> int | None:
-    """VmHWM of this process in bytes, or None where /proc is not there."""
+def _status_bytes(field: str) -> int | None:
+    """A size field of /proc/self/status (VmHWM, VmRSS) in bytes, or None where /proc is not there."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
 
 
-def _reset_rss_peak() -> bool:
+def rss_peak() -> int | None:
+    """This process's peak resident set since start or the last `reset_rss_peak` (VmHWM), in bytes; None off Linux."""
+    return _status_bytes("VmHWM")
+
+
+def rss_now() -> int | None:
+    """This process's resident set now (VmRSS), in bytes; None off Linux."""
+    return _status_bytes("VmRSS")
+
+
+def reset_rss_peak() -> bool:
+    """Reset VmHWM to the resident set now (writing 5 to /proc/self/clear_refs); False where that is refused."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
         return True
@@ -150,14 +161,14 @@ class PhaseMemory:
 
     def start(self) -> None:
         self.meter.start()
-        self._rss_ok = _reset_rss_peak()
+        self._rss_ok = reset_rss_peak()
 
     def _boundary(self) -> None:
         """Close the running segment (recording the phases open during it) and open the next."""
         self.segments.append(tuple(self.open))
-        self.rss.append(_rss_peak() if self._rss_ok else None)
+        self.rss.append(rss_peak() if self._rss_ok else None)
         self.meter.boundary()
-        self._rss_ok = _reset_rss_peak()
+        self._rss_ok = reset_rss_peak()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

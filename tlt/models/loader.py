@@ -1,4 +1,5 @@
-"""Load and save HF-format checkpoints (config.json + *.safetensors) into the fused-projection Decoder."""
+"""Load and save HF-format checkpoints (config.json + *.safetensors) into the fused-projection Decoder: whole
+(`load_model`), or row ranges of each parameter (`CheckpointRows`, for a sharded load that reads each rank's rows)."""
 from __future__ import annotations
 
 import json
@@ -63,26 +64,74 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _hf_to_ours(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename HF keys and fuse q/k/v and gate/up projections."""
-    out = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+def _sources(cfg: ModelConfig, available: set[str]) -> dict[str, list[str]]:
+    """Our parameter name -> the HF tensors whose rows it is, in order: the fused q/k/v and gate/up projections
+    concatenate theirs along dim 0; an untied LM head missing from the checkpoint is the embedding."""
+    out = {"embed_tokens.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+        out["lm_head.weight"] = ["lm_head.weight" if "lm_head.weight" in available else "model.embed_tokens.weight"]
     for i in range(cfg.num_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
         a = p + "self_attn."
-        out[q + "self_attn.qkv_proj.weight"] = torch.cat([hf[a + f"{n}_proj.weight"] for n in "qkv"])
+        out[q + "self_attn.qkv_proj.weight"] = [a + f"{n}_proj.weight" for n in "qkv"]
         if cfg.attention_bias:
-            out[q + "self_attn.qkv_proj.bias"] = torch.cat([hf[a + f"{n}_proj.bias"] for n in "qkv"])
-        out[q + "self_attn.o_proj.weight"] = hf[a + "o_proj.weight"]
+            out[q + "self_attn.qkv_proj.bias"] = [a + f"{n}_proj.bias" for n in "qkv"]
+        out[q + "self_attn.o_proj.weight"] = [a + "o_proj.weight"]
         if cfg.qk_norm:
-            out[q + "self_attn.q_norm.weight"] = hf[a + "q_norm.weight"]
-            out[q + "self_attn.k_norm.weight"] = hf[a + "k_norm.weight"]
-        out[q + "mlp.gate_up_proj.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
-        out[q + "mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"]
-        out[q + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
-        out[q + "post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
+            out[q + "self_attn.q_norm.weight"] = [a + "q_norm.weight"]
+            out[q + "self_attn.k_norm.weight"] = [a + "k_norm.weight"]
+        out[q + "mlp.gate_up_proj.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        out[q + "mlp.down_proj.weight"] = [p + "mlp.down_proj.weight"]
+        out[q + "input_layernorm.weight"] = [p + "input_layernorm.weight"]
+        out[q + "post_attention_layernorm.weight"] = [p + "post_attention_layernorm.weight"]
     return out
+
+
+def _hf_to_ours(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename HF keys and fuse q/k/v and gate/up projections."""
+    return {name: torch.cat([hf[k] for k in keys]) if len(keys) > 1 else hf[keys[0]]
+            for name, keys in _sources(cfg, set(hf)).items()}
+
+
+class CheckpointRows:
+    """Rows of our parameters read straight from an HF checkpoint's safetensors files (safe_open's get_slice): a
+    sharded load reads each rank's rows only, never a whole tensor it does not hold. Each read maps its file and
+    unmaps it when done, so the pages read do not stay in the process's resident set.
+
+        ckpt = CheckpointRows(path)
+        ckpt.read_rows("layers.0.self_attn.qkv_proj.weight", start, stop, out)   # out: [stop - start, ...]
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.cfg = read_config(self.path)
+        self.files: dict[str, Path] = {}  # HF key -> its file
+        self.shapes: dict[str, tuple[int, ...]] = {}  # HF key -> its shape
+        for f in weight_files(self.path):
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    self.files[k], self.shapes[k] = f, tuple(fh.get_slice(k).get_shape())
+        self.sources = _sources(self.cfg, set(self.files))
+        missing = sorted(k for keys in self.sources.values() for k in keys if k not in self.files)
+        if missing:
+            raise ValueError(f"{self.path}: weight {missing[0]!r} is missing from the safetensors files")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The full shape of our parameter `name` (its sources' rows together)."""
+        shapes = [self.shapes[k] for k in self.sources[name]]
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+    def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Copy rows [start, stop) of our parameter `name` into `out` (any dtype and device; cast as a whole load
+        casts), reading from the files only the rows that land there."""
+        offset = 0
+        for key in self.sources[name]:
+            rows = self.shapes[key][0]
+            lo, hi = max(start, offset), min(stop, offset + rows)
+            if lo < hi:
+                with safe_open(str(self.files[key]), framework="pt") as fh:
+                    out[lo - start:hi - start].copy_(fh.get_slice(key)[lo - offset:hi - offset])
+            offset += rows
 
 
 def hf_state_dict(model: Decoder) -> dict[str, torch.Tensor]:

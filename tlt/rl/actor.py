@@ -215,14 +215,16 @@ def _token_log_probs(model: Decoder, h: torch.Tensor, tgt: torch.Tensor, tempera
 class Actor:
     """Owns the optimiser and LR schedule of `model` (the very Decoder the rollout engine reads)."""
 
-    def __init__(self, model: Decoder, cfg: ActorConfig, total_steps: int):
+    def __init__(self, model: Decoder, cfg: ActorConfig, total_steps: int, device: torch.device | None = None):
+        """`model`: full, or already sharded (tlt.rl.fsdp.load_sharded_model, which also checkpoints its layers).
+        `device`: where it computes (default: where its parameters are; not so for host-offloaded shards)."""
         self.model, self.cfg = model, cfg
-        self.device = next(model.parameters()).device
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.sharded = cfg.strategy == "fsdp"
-        if cfg.gradient_checkpointing:
+        if cfg.gradient_checkpointing and not fsdp.is_sharded(model):
             fsdp.checkpoint_layers(model)
-        if self.sharded:  # before the optimiser: it must hold the shards, not the full parameters
-            fsdp.shard_model(model, cfg)
+        if self.sharded and not fsdp.is_sharded(model):  # before the optimiser: it must hold the shards
+            fsdp.shard_model(model, cfg, self.device)
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Not fused=True: torch's fused AdamW updates the weights without bumping their version counters, and the
         # engine's packed weight copies (tlt.models.kernels) rely on them to notice an update.
@@ -288,7 +290,7 @@ class Actor:
                                         chunk_tokens=self.cfg.logprob_chunk_tokens)[0].float()
                 out[chunk, :lp.shape[1]] = lp
             for _ in range(num_idle):
-                fsdp.idle_micro_batch(model, backward=False)
+                fsdp.idle_micro_batch(model, self.device, backward=False)
         return out
 
     def on_policy_rows(self, batch: ActorBatch, num_mini_batches: int) -> list[int]:
@@ -347,7 +349,7 @@ class Actor:
             for k, v in metrics.items():
                 sums[k] += v
         for _ in range(num_idle):
-            fsdp.idle_micro_batch(self.model, backward=True)
+            fsdp.idle_micro_batch(self.model, self.device, backward=True)
         if world > 1 and not self.sharded:  # FSDP has summed them in its reduce-scatters
             self._all_reduce_grads()
         grad_norm = fsdp.grad_norm(self.params, self.cfg.grad_clip)
@@ -364,6 +366,7 @@ class Actor:
     def _loss_normalisers(mask: torch.Tensor, world: int) -> tuple[float, float]:
         """(tokens, non-empty sequences) of this mini-batch summed over all ranks: every micro-batch loss on every
         rank divides by these, so the summed gradient is the full-batch one."""
+        # a host tensor (built from host floats): gloo's part of the group on CUDA (tlt.rl.launch)
         totals = torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64)
         if world > 1:
             dist.all_reduce(totals)

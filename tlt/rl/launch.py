@@ -54,15 +54,22 @@ def config_device(cfg: Config) -> torch.device:
         raise ConfigError(f"model.device: {e}") from None
 
 
+def process_group_backend(device_type: str) -> str:
+    """The backend of tlt's process group: on CUDA one group with NCCL for CUDA tensors and gloo for CPU ones, so
+    that every collective is correct whatever device its tensor is on (the host scalars tlt all-reduces, and under
+    actor.fsdp_offload the gradient norm of CPU shards), as torchtitan does for CPU offload; gloo elsewhere."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
 def init_distributed(device_type: str = "cpu", single_rank: bool = False) -> DistInfo:
-    """Join the torchrun process group when WORLD_SIZE > 1 (NCCL when the model runs on CUDA, else gloo), or with
-    `single_rank` also a one-process torchrun group (FSDP needs one); idempotent."""
+    """Join the torchrun process group when WORLD_SIZE > 1 (`process_group_backend`: NCCL and gloo when the model
+    runs on CUDA, else gloo), or with `single_rank` also a one-process torchrun group (FSDP needs one); idempotent."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     launched = world > 1 or (single_rank and "MASTER_ADDR" in os.environ and "RANK" in os.environ)
     if launched and not dist.is_initialized():
-        if device_type == "cuda":  # NCCL's object collectives run on the current device: this rank's GPU
+        if device_type == "cuda":  # NCCL runs on the current device: this rank's GPU
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        dist.init_process_group(process_group_backend(device_type))
     if not dist.is_initialized():
         return DistInfo()
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())))

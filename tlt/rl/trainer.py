@@ -29,16 +29,16 @@ With eagle SD and one rollout worker the drafter trains online in this process (
 model.path=tiny-random builds a tiny random Llama once (tlt.rl.tiny_model); model.path=null is the default
 SmolLM2 model. Under torchrun each rank rolls out train_batch_size / world_size prompts; gradients are summed
 over ranks with losses normalised by global token counts, so N ranks take the same step as one process.
-With actor.strategy=fsdp (under torchrun) the policy and the reference model are FSDP2 shards; each rank's engine
-decodes its own full copy, refreshed from the shards layer by layer after every update (tlt.rl.weight_sync,
-docs/design.md §12), and checkpoints add the shards of the weights and AdamW state (tlt.rl.sharded_checkpoint).
+With actor.strategy=fsdp (under torchrun) the policy and the reference model are FSDP2 shards, each rank reading only
+its rows of the checkpoint (tlt.rl.fsdp.load_sharded_model); each rank's engine decodes its own full copy, built and
+refreshed from the shards layer by layer (tlt.rl.weight_sync, docs/design.md §12), and checkpoints add the shards
+of the weights and AdamW state (tlt.rl.sharded_checkpoint).
 With trainer.placement the ranks are Ray actors on a placement group (tlt.rl.launch, tlt.workers.trainer_group) and
 rank 0 rolls out every rank's prompts on the placed replicas (docs/design.md §13); disaggregated, a rank's own
 engine copy stays in host memory and rank 0 validates on the replicas.
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -69,7 +69,7 @@ from tlt.rl.preflight import check_run
 from tlt.rl.rewards import RewardManager
 from tlt.rl.rollout import ActorBatch, RolloutBatch, generate_rollouts, rollout_request
 from tlt.rl.sharded_checkpoint import SHARDS_DIR, consolidated, load_sharded, save_sharded, shard_bytes
-from tlt.rl.weight_sync import SyncStats, rollout_state_dict, sync_weights
+from tlt.rl.weight_sync import SyncStats, rollout_copy, rollout_state_dict, sync_weights
 
 if TYPE_CHECKING:
     from tlt.models.decoder import Decoder
@@ -84,7 +84,7 @@ class GRPOTrainer:
     def __init__(self, cfg: Config, drafter_hook: DrafterHook | None = None, placed: bool = False):
         """placed: this process is a trainer rank that trainer.placement launched (tlt.workers.trainer_group)."""
         from tlt.llm import LLM
-        from tlt.models.loader import load_model, load_tokenizer
+        from tlt.models.loader import load_tokenizer
 
         check_run(cfg)  # every input checked before any expensive work (tlt.rl.preflight)
         device = config_device(cfg)
@@ -115,18 +115,15 @@ class GRPOTrainer:
         dtype = DTYPES[cfg.policy_dtype()]
 
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.model = load_model(resume_dir or cfg.model.path, dtype=dtype, device=str(self.device))
+        self.model = self._load(resume_dir or cfg.model.path, dtype)
         # the reference policy is the initial model, also after a resume (model.path, not the checkpoint)
-        self.ref_model = load_model(cfg.model.path, dtype=dtype, device=str(self.device)).requires_grad_(False) \
-            if cfg.actor.use_kl_loss else None
-        if self.ref_model is not None and cfg.actor.strategy == "fsdp":
-            fsdp.shard_model(self.ref_model, cfg.actor)  # forward only: sharded like the policy
+        self.ref_model = self._load(cfg.model.path, dtype, trainable=False) if cfg.actor.use_kl_loss else None
         self.train_data = PromptDataset.from_config(d, self.tokenizer, "train")
         self.val_examples = load_examples(d.val_files, self.tokenizer, d.prompt_key, d.max_prompt_length,
                                           d.filter_overlong_prompts)[0] if d.val_files else []
         self.rewards = RewardManager(cfg.reward)
-        self.rollout_model = self._rollout_model()  # self.model, or a copy in rollout.dtype (before any sharding)
-        self.actor = Actor(self.model, cfg.actor, t.total_steps)
+        self.actor = Actor(self.model, cfg.actor, t.total_steps, self.device)
+        self.rollout_model = self._rollout_model()  # self.model, or a copy in rollout.dtype filled from the policy
         self.step_sync = SyncStats()  # the weight syncs of the current step (engine copy and Ray replicas)
         self.llm = LLM(model=self.rollout_model, tokenizer=self.tokenizer, speculative_config=self._speculative_config(),
                        **cfg.engine_args())
@@ -315,17 +312,23 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------- setup, checkpoints
 
+    def _load(self, path: str | Path, dtype: torch.dtype, trainable: bool = True) -> Decoder:
+        """The model at `path` on this rank's device: under actor.strategy=fsdp its shards only, each rank reading
+        its rows of the checkpoint (tlt.rl.fsdp.load_sharded_model); otherwise whole. trainable=False: frozen."""
+        if self.cfg.actor.strategy == "fsdp":
+            return fsdp.load_sharded_model(path, dtype, self.device, self.cfg.actor, trainable)
+        from tlt.models.loader import load_model
+        return load_model(path, dtype=dtype, device=str(self.device)).requires_grad_(trainable)
+
     def _rollout_model(self) -> Decoder:
         """Config.rollout_dtype() equal to the policy's and full replicas (ddp): the policy itself, shared with the
         engine. Otherwise (e.g. auto on bf16 hardware, or actor.strategy=fsdp, whose parameters are shards) a
-        copy in that dtype, made before the actor shards the policy, which `sync_rollout_weights` refreshes after
+        copy in that dtype, on this rank's device (in host memory for a disaggregated rank), filled from the policy
+        one FSDP unit at a time (tlt.rl.weight_sync.rollout_copy), which `sync_rollout_weights` refreshes after
         each update."""
         if self.cfg.rollout_dtype() == self.cfg.policy_dtype() and self.cfg.actor.strategy != "fsdp":
             return self.model
-        dtype = DTYPES[self.cfg.rollout_dtype()]
-        if self.engine_on_host:
-            return host_copy(self.model, dtype)
-        return copy.deepcopy(self.model).to(dtype).requires_grad_(False).eval()
+        return rollout_copy(self.model, DTYPES[self.cfg.rollout_dtype()], "cpu" if self.engine_on_host else self.device)
 
     def adopt_published_drafter(self) -> None:
         """Load the drafter the rollout replicas trained into this process's engine, whose final SD comparison
@@ -456,16 +459,6 @@ class GRPOTrainer:
         if self.dist.is_main:
             print(f"resumed from {path} (step {state.step})", flush=True)
         return state.step
-
-
-def host_copy(model: Decoder, dtype: torch.dtype) -> Decoder:
-    """A frozen copy of `model` in host memory and `dtype`, made tensor by tensor (no second copy on the device)."""
-    from tlt.models.decoder import Decoder
-    with torch.device("meta"):
-        twin = Decoder(model.cfg)
-    twin.load_state_dict({k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}, assign=True)
-    twin.rotary = copy.deepcopy(model.rotary).to("cpu", dtype)  # its buffers are not in the state dict
-    return twin.requires_grad_(False).eval()
 
 
 # ---------------------------------------------------------------- command line

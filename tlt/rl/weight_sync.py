@@ -5,6 +5,7 @@ DTensor shards, so after each update `stream_state` gathers them one FSDP unit a
 the root's embedding, final norm and LM head), casts them to the rollout dtype and yields that unit's dict; the
 gathered full tensors are dropped before the next unit is gathered, so the whole model never exists in fp32 at
 once (docs/design.md §12). Every rank takes part in every gather (they are collectives) and fills its own engine.
+`rollout_copy` builds that engine copy the same way, from the shards, on the meta device first.
 
 `sync_weights` copies the stream into an in-process engine's model; the Ray replicas receive the same per-unit
 dicts, merged into one rollout-dtype state dict for the object store (tlt.rl.trainer). `SyncStats` records the
@@ -20,7 +21,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from tlt.models.decoder import Decoder
+from tlt.models.decoder import Decoder, Rotary
 
 
 @dataclass
@@ -38,8 +39,13 @@ class SyncStats:
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: all-gathered from the ranks' shards when `param` is a DTensor (collective)."""
-    return param.full_tensor() if hasattr(param, "full_tensor") else param
+    """The whole tensor: all-gathered from the ranks' shards when `param` is a DTensor (collective), on its mesh's
+    device (under actor.fsdp_offload a shard lives in host memory: its gather then runs on NCCL, not on gloo)."""
+    if not hasattr(param, "full_tensor"):
+        return param
+    if param.device.type != param.device_mesh.device_type:
+        param = param.to(param.device_mesh.device_type)
+    return param.full_tensor()
 
 
 def sync_units(model: Decoder) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
@@ -78,6 +84,20 @@ def sync_weights(policy: Decoder, engine_model: Decoder, skip_units: frozenset[i
             targets[name].copy_(value)
             moved += value.numel() * value.element_size()
     return SyncStats(moved, time.perf_counter() - start)
+
+
+@torch.no_grad()
+def rollout_copy(policy: Decoder, dtype: torch.dtype, device: torch.device | str) -> Decoder:
+    """A frozen, un-sharded Decoder in `dtype` on `device` with `policy`'s weights, built on the meta device and
+    filled by `sync_weights` one FSDP unit at a time (collective under FSDP): no whole copy of the policy in its own
+    dtype ever exists. Its rotary buffers are rebuilt in `dtype`, as a cast copy of the policy would hold them."""
+    with torch.device("meta"):
+        twin = Decoder(policy.cfg).to(dtype)
+    twin.to_empty(device=device)
+    twin.rotary = Rotary(policy.cfg).to(device=device, dtype=dtype)
+    twin.requires_grad_(False).eval()
+    sync_weights(policy, twin)
+    return twin
 
 
 def rollout_state_dict(policy: Decoder, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], SyncStats]:
