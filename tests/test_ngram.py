@@ -1,7 +1,6 @@
 """N-gram drafter: own-context, sibling and history matches, longest n first, incremental updates, trees."""
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -67,7 +66,6 @@ def test_lazy_index_proposes_what_eager_indexing_does():
             while running:
                 m = rng.choice(running)
                 assert lazy.propose(m) == eager.propose(m)
-                assert lazy.propose_tree(m, k=4, width=2) == eager.propose_tree(m, k=4, width=2)
                 toks = [rng.randrange(5) for _ in range(rng.randrange(1, 4))]
                 done = rng.random() < 0.15
                 for d in (lazy, eager):
@@ -128,32 +126,3 @@ def test_history_is_bounded():
         d.register(i, i, i % 5, [1, 2, 3, i])
         d.finish(i)
     assert len(d.history) == 3 and all(len(h) <= 2 for h in d.history.values())
-
-
-def test_propose_tree_merges_continuations():
-    d = NgramDrafter(max_n=2, min_n=2, num_draft_tokens=5)
-    d.register("a", "g", "p", [1, 2, 3, 4, 0, 1, 2])
-    d.register("b", "g", "p", [1, 2, 3, 5])
-    d.register("c", "g", "p", [1, 2, 8, 8])
-    tokens, parents = d.propose_tree("a", width=2)
-    # root 2; branches cut to depth 5 // 2 = 2: own 3 4, sibling b shares "3" then branches to 5,
-    # sibling c (8 8) would be a third branch (width 2): dropped
-    assert tokens[0] == 2 and parents[0] == -1
-    assert tokens == [2, 3, 4, 5] and parents == [-1, 0, 1, 1]
-    assert tokens[1:3] == [3, 4] and parents[1:3] == [0, 1]
-    assert (5 in tokens) and parents[tokens.index(5)] == 1
-    assert 8 not in tokens
-    assert all(parents[i] < i for i in range(1, len(parents)))
-
-
-def test_cheap_per_step():
-    d = NgramDrafter(max_n=4, min_n=2, num_draft_tokens=8)
-    for s in range(16):
-        d.register(s, "g", "p", list(range(200)))
-    t0 = time.perf_counter()
-    for step in range(200):
-        for s in range(16):
-            d.update(s, [(step * 7 + s) % 50])
-            d.propose(s)
-    per_call = (time.perf_counter() - t0) / (200 * 16)
-    assert per_call < 1e-3, f"{per_call * 1e6:.0f} us per update+propose"

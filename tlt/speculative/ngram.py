@@ -5,7 +5,7 @@ to min_n; the longest match wins), searched in three pools, in this order:
   1. the sequence's own prompt + output (reasoning traces repeat themselves),
   2. the sibling responses of the same group (GRPO samples G responses per prompt; they share phrasing),
   3. earlier responses to the same prompt (previous epochs), a history keyed by `prompt_key`.
-Drafts are deterministic (no q), so they are verified with `verify_deterministic` and cost nothing to make.
+Drafts are deterministic (no q): verified by the invariant rule (tlt.speculative.verify), and cheap to make.
 
 Cost: each sequence keeps a dict n-gram -> latest position whose token followed it, built lazily: `update` only
 appends, and a proposal first indexes the positions its pool members added since their last one (max_n - min_n + 1
@@ -17,7 +17,6 @@ first read them.
 """
 from __future__ import annotations
 
-import time
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -45,7 +44,6 @@ class NgramDrafter:
         self.groups: dict[Hashable, list[Hashable]] = {}
         self.history: OrderedDict[Hashable, deque] = OrderedDict()  # prompt_key -> finished token arrays, newest last
         self.group_history: dict[Hashable, list[_Seq]] = {}  # group_id -> indexed history of its prompt (read-only)
-        self.index_time_s = 0.0  # spent bringing indexes up to date (a proposal's catch-up on its pools)
 
     # ---- bookkeeping ----
     def register(self, seq_id: Hashable, group_id: Hashable, prompt_key: Hashable, token_ids: list[int]) -> None:
@@ -93,13 +91,10 @@ class NgramDrafter:
         """seq's index, brought up to date: every n-gram that ends right before a position e (so each has a
         continuation), the latest e for each; positions are indexed in order, once."""
         toks, index = seq.tokens, seq.index
-        if seq.indexed < len(toks):
-            t0 = time.perf_counter()
-            for e in range(seq.indexed, len(toks)):
-                for n in range(self.min_n, min(self.max_n, e) + 1):
-                    index[tuple(toks[e - n:e])] = e
-            seq.indexed = len(toks)
-            self.index_time_s += time.perf_counter() - t0
+        for e in range(seq.indexed, len(toks)):
+            for n in range(self.min_n, min(self.max_n, e) + 1):
+                index[tuple(toks[e - n:e])] = e
+        seq.indexed = len(toks)
         return index
 
     # ---- proposals ----
@@ -131,32 +126,7 @@ class NgramDrafter:
         full = [c for c in found if len(c) == k]
         return full[0] if full else max(found, key=len, default=[])
 
-    def propose_tree(self, seq_id: Hashable, k: int | None = None, width: int = 2,
-                     depth: int | None = None) -> tuple[list[int], list[int]]:
-        """A small draft tree: up to `width` distinct continuations (each cut to `depth`, default k // width) merged
-        into a trie of at most k draft nodes. Returns (tokens, parents) in the layout of tlt.speculative.verify:
-        node 0 is the root (the sequence's last token, parent -1), children in pool priority order."""
-        k = self.num_draft_tokens if k is None else k
-        depth = max(1, k // width) if depth is None else depth
-        seq = self._get(seq_id)
-        tokens, parents = [seq.tokens[-1]], [-1]
-        child: dict[tuple[int, int], int] = {}
-        branches = 0
-        for cont in self._matches(seq_id, depth):
-            node, new_branch = 0, False
-            for t in cont:
-                if (node, t) in child:
-                    node = child[(node, t)]
-                    continue
-                if len(tokens) - 1 >= k or (not new_branch and branches >= width):
-                    break
-                if not new_branch:
-                    new_branch, branches = True, branches + 1
-                tokens.append(t)
-                parents.append(node)
-                child[(node, t)] = node = len(tokens) - 1
-        return tokens, parents
-
     def stats(self) -> dict[str, int]:
+        """What the drafter holds: running sequences, their groups, prompts with a history (bounded: max_history*)."""
         return {"running": sum(not s.done for s in self.seqs.values()), "groups": len(self.groups),
                 "history_prompts": len(self.history)}
