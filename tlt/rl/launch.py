@@ -171,11 +171,15 @@ def train_on_placement(cfg: Config, run_rank: Callable[[Config], Any]) -> Any:
     """`tlt train` under trainer.placement, in the launching process: every check that needs no model (ConfigErrors
     before Ray starts), then `run_rank(cfg)` in each trainer rank, a Ray actor on its bundle, with the rollout
     replicas on theirs (tlt.workers.trainer_group). Returns rank 0's result."""
-    from tlt.preflight import check_run
+    from tlt.preflight import check_run, claim_run_dir
     from tlt.workers.bundles import assign_bundles
     t = cfg.trainer
     a = assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus)
     check_run(cfg)
     check_ranks(cfg, len(a.trainer_bundles))
+    claim = claim_run_dir(cfg, owner=True)  # the launcher holds the run directory for its placed ranks
     from tlt.workers.trainer_group import run_trainer_ranks
-    return run_trainer_ranks(a, run_rank, cfg)
+    try:
+        return run_trainer_ranks(a, run_rank, cfg)
+    finally:
+        claim.lock.release()
