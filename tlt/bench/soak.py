@@ -159,13 +159,19 @@ def _in_fresh_process(fn, *args) -> list[dict]:
 
 def growth(values: list[int], warmup: int) -> dict:
     """From records[warmup - 1] (the value after the warm-up) to the end: growth and peak as fractions of it, and
-    the least-squares slope in bytes per 100 records."""
-    import numpy as np
+    the least-squares slope in MiB per 100 records, over all of them and over the second half (still rising, or
+    levelled off)."""
     base, rest = values[warmup - 1], values[warmup - 1:]
-    slope = float(np.polyfit(np.arange(len(rest)), np.asarray(rest, dtype=float), 1)[0]) * 100 if len(rest) > 2 \
-        else 0.0
     return {"base_mib": base / 2**20, "end_mib": values[-1] / 2**20, "growth": (values[-1] - base) / base,
-            "peak_growth": (max(rest) - base) / base, "slope_mib_per_100": slope / 2**20}
+            "peak_growth": (max(rest) - base) / base, "slope_mib_per_100": _slope(rest),
+            "late_slope_mib_per_100": _slope(rest[len(rest) // 2:])}
+
+
+def _slope(values: list[int]) -> float:
+    import numpy as np
+    if len(values) < 3:
+        return 0.0
+    return float(np.polyfit(np.arange(len(values)), np.asarray(values, dtype=float), 1)[0]) * 100 / 2**20
 
 
 def drift(per_token: list[float], seed: int = 0) -> dict:
@@ -214,6 +220,7 @@ def _row(s: dict) -> dict:
     return {"part": s["part"], "n": s["records"], "rss@warm MiB": s["rss"]["base_mib"],
             "rss end MiB": s["rss"]["end_mib"], "growth %": 100 * s["rss"]["growth"],
             "peak %": 100 * s["rss"]["peak_growth"], "MiB/100": s["rss"]["slope_mib_per_100"],
+            "late MiB/100": s["rss"]["late_slope_mib_per_100"],
             "less buffer %": 100 * s["rss_less_buffer"]["growth"],
             "malloc %": None if s["malloc_in_use"] is None else 100 * s["malloc_in_use"]["growth"],
             "drift": d["ratio"], "drift 95% CI": f"{d['ci_low']:.2f}-{d['ci_high']:.2f}", "p": d["p"],
