@@ -120,10 +120,11 @@ def engine_part(calls: int, batch: int, swap_every: int, threads: int, max_token
     from tlt.speculative.drafter_io import save_drafter
     model_dir = tiny_random_model_path()
     torch.manual_seed(seed)
-    drafter_dir = save_drafter(Drafter(read_config(model_dir)), Path(tempfile.mkdtemp(prefix="tlt-soak-drafter-")))
-    llm = LLM(model=model_dir, max_num_seqs=batch, seed=seed, speculative_config={
-        "method": "eagle", "model": str(drafter_dir), "adaptive": False, "bs_threshold": None,
-        "hysteresis_steps": 1})
+    with tempfile.TemporaryDirectory(prefix="tlt-soak-drafter-") as drafter_dir:  # read once, when the engine starts
+        save_drafter(Drafter(read_config(model_dir)), drafter_dir)
+        llm = LLM(model=model_dir, max_num_seqs=batch, seed=seed, speculative_config={
+            "method": "eagle", "model": drafter_dir, "adaptive": False, "bs_threshold": None,
+            "hysteresis_steps": 1})
     first = {k: v.detach().clone() for k, v in llm.spec.drafter.trainable_state_dict().items()}
     states = [first, {k: v + 0.01 * torch.randn_like(v) for k, v in first.items()}]
     gen = torch.Generator().manual_seed(seed)

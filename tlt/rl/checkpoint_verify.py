@@ -77,8 +77,10 @@ def check_trainer_state(path: Path, cfg: ModelConfig, fix: str) -> None:
     check_torch_archive(path, fix)
     try:
         state = read_trainer_state(path, mmap=True)
-    except ConfigError:
-        raise
+    except ConfigError:  # an older tlt's pickled objects: not loadable, so not resumable (nor rotated away)
+        raise CorruptFileError(path, "holds objects a safe load refuses (a checkpoint of an older tlt, or not tlt's)",
+                               "Start over with trainer.resume=disable, or load its model.safetensors as model.path"
+                               ) from None
     except Exception as e:  # noqa: BLE001 - a damaged archive fails inside torch.load with whatever it hit
         raise CorruptFileError(path, f"does not load ({type(e).__name__}: {str(e).splitlines()[0]})", fix) from None
     lacking = [k for k in TRAINER_STATE_KEYS if not isinstance(state, dict) or k not in state]

@@ -4,7 +4,8 @@ The lock is a POSIX record lock (fcntl.lockf) on that file: the kernel drops it 
 ends (a SIGKILL, a crash), so a dead run's lock never blocks the next one, and processes the run forks (reward
 workers) do not inherit it. The file stays (deleting a lock file races with the next locker); it names the holder
 (pid, host, start time) for the error a second run gets. Works across hosts where the file system supports POSIX
-locks (local disks, NFSv4).
+locks (local disks, NFSv4). A POSIX lock is its process's: within one process a second RunLock on the same
+directory is granted, and closing any descriptor of the file drops it, so nothing else in the process opens it.
 """
 from __future__ import annotations
 
@@ -62,6 +63,8 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)  # closing drops the lock
             self._fd = None
+
+    __del__ = release  # a run object dropped (its process may go on) lets go of its directory
 
     @property
     def held(self) -> bool:
