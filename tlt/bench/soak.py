@@ -70,7 +70,8 @@ def _not_finite(values: dict) -> list[str]:
 # ---------------------------------------------------------------- the two parts (each in its own process)
 
 
-def train_part(config: str, steps: int, threads: int, out_dir: str, cache_capacity: int | None = None) -> list[dict]:
+def train_part(config: str, steps: int, threads: int, out_dir: str, cache_capacity: int | None = None,
+               overrides: tuple[str, ...] = ()) -> list[dict]:
     if cache_capacity is not None:  # the control: oneDNN's and ideep's per-shape kernel caches kept small
         os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = os.environ["LRU_CACHE_CAPACITY"] = str(cache_capacity)
     import torch
@@ -79,7 +80,7 @@ def train_part(config: str, steps: int, threads: int, out_dir: str, cache_capaci
     from tlt.rl.trainer import GRPOTrainer, retain_freed_memory_for
     cfg = load_config(config, [f"trainer.total_steps={steps}", f"trainer.default_local_dir={out_dir}",
                                "trainer.experiment_name=soak", "trainer.logger=[jsonl]", "trainer.max_ckpt_to_keep=2",
-                               "trainer.resume=disable"])
+                               "trainer.resume=disable", *overrides])
     retain_freed_memory_for(cfg)  # before any tensor, as `tlt train` does
     trainer = GRPOTrainer(cfg)
     records: list[dict] = []
@@ -229,9 +230,13 @@ def _row(s: dict) -> dict:
 
 
 def machine() -> dict:
-    return {"cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                         if line.startswith("model name")), platform.processor()), "cores": os.cpu_count(),
-            "python": platform.python_version(), "load_avg": list(os.getloadavg())}
+    info = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    cpu = f"{info.get('model name', platform.processor())} (family {info.get('cpu family')} model {info.get('model')})"
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "load_avg": [round(x, 2) for x in os.getloadavg()]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--swap-every", type=int, default=25, help="calls between drafter swaps")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for the train parts, e.g. trainer.retain_freed_memory=false (repeatable)")
     p.add_argument("--control-cache-capacity", type=int, default=16,
                    help="the train part again with ONEDNN_PRIMITIVE_CACHE_CAPACITY and LRU_CACHE_CAPACITY at this "
                         "(oneDNN's and ideep's per-shape kernel caches, 1024 entries each by default); -1: not run")
@@ -266,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         if name != "train" and capacity is None:
             continue
         with tempfile.TemporaryDirectory(prefix="tlt-soak-") as out_dir:
-            runs[name] = _in_fresh_process(train_part, args.config, args.train_steps, args.threads, out_dir, capacity)
+            runs[name] = _in_fresh_process(train_part, args.config, args.train_steps, args.threads, out_dir, capacity,
+                                           tuple(args.override))
     runs["engine"] = _in_fresh_process(engine_part, args.generate_calls, args.batch, args.swap_every, args.threads,
                                        args.max_tokens, args.seed)
     parts = [summarize(name, records, args.warmup_calls if name == "engine" else args.warmup_steps)
@@ -275,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     by_name = {s["part"]: s for s in parts}
     # the train part's growth is accounted for when the control, which differs only in the caches' size, holds
     explained = "train_small_caches" in by_name and by_name["train_small_caches"]["memory_within_bound"]
-    payload = {"command": command.strip(), "machine": before, "load_avg_after": list(os.getloadavg()),
+    payload = {"command": command.strip(), "machine": before, "load_avg_after": [round(x, 2) for x in os.getloadavg()],
                "parts": parts, "train_growth_is_the_kernel_caches": bool(explained),
                "ok": all((s["memory_within_bound"] or (s["part"] == "train" and explained))
                          and s["drift"]["within_noise"] and not s["not_finite"] for s in parts)}
