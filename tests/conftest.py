@@ -70,6 +70,27 @@ def make_tiny_checkpoint(path, family: str = "llama", vocab_size: int = 128, hid
     return str(path)
 
 
+def checkpoint_parts(model_dir, step: int):
+    """(write_model, TrainerState) for CheckpointManager.save: the tiny model `model_dir` before its first update
+    (an empty AdamW state over its parameters), whole, so that the checkpoint verifies (tlt.rl.checkpoint_verify)."""
+    import shutil
+    from pathlib import Path
+
+    from tlt.models.decoder import Decoder
+    from tlt.models.loader import read_config
+    from tlt.rl.checkpoint import TrainerState, capture_rng_state
+
+    def write_model(path: Path) -> None:
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(Path(model_dir) / name, path / name)
+    with torch.device("meta"):
+        num_params = len(list(Decoder(read_config(model_dir)).parameters()))
+    optimizer = {"state": {}, "param_groups": [{"lr": 0.1, "params": list(range(num_params))}]}
+    state = TrainerState(step=step, actor={"optimizer": optimizer, "scheduler": {}}, rng=capture_rng_state(),
+                         data={"index": step})
+    return write_model, state
+
+
 @pytest.fixture(scope="session", params=FAMILIES)
 def tiny_family_dir(request, tmp_path_factory):
     """(family, path) of a tiny random checkpoint, for each supported family."""

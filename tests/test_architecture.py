@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent / "tlt"
 # every module's layer, lowest first: a module may import its own layer and the ones before it, never a later one
 # (a name covers the module and, for a package, every module in it; "tlt" is the package's own __init__ only)
 LAYERS = (
-    ("tlt.schema", "tlt.faults", "tlt.registry", "tlt.cache", "tlt.device"),  # helpers every layer uses
+    ("tlt.schema", "tlt.faults", "tlt.registry", "tlt.cache", "tlt.device", "tlt.integrity"),  # every layer's helpers
     ("tlt.models",),
     ("tlt.engine",),
     ("tlt.speculative",),

@@ -14,7 +14,7 @@ import torch
 
 from tlt.config import load_config
 from tlt.rl.preflight import check_output_dir, check_run, checkpoint_bytes, checkpoints_held, model_size
-from tlt.rl.checkpoint import LATEST_FILE, CheckpointManager, CheckpointSpaceError, TrainerState, tensor_bytes
+from tlt.rl.checkpoint import LATEST_FILE, CheckpointManager, CheckpointSpaceError, tensor_bytes
 from tlt.rl.trainer import GRPOTrainer
 from tlt.schema import UserError
 
@@ -120,13 +120,11 @@ def test_a_checkpoint_that_does_not_fit_is_refused_and_the_run_resumes_from_the_
     assert (exp / LATEST_FILE).read_text().strip() == "2"
 
 
-def test_a_save_that_fails_part_way_says_what_survives(tmp_path):
+def test_a_save_that_fails_part_way_says_what_survives(tmp_path, tiny_dir):
+    from tests.conftest import checkpoint_parts
     ckpt = CheckpointManager(tmp_path / "run")
     cfg = load_config(None, [])
-    state = TrainerState(step=1, actor={"m": torch.zeros(4)}, rng={}, data={})
-
-    def write_model(path: Path) -> None:
-        (path / "model.safetensors").write_bytes(b"weights")
+    write_model, state = checkpoint_parts(tiny_dir, 1)
     ckpt.save(1, write_model, state, cfg)
 
     def disk_full(path: Path) -> None:

@@ -114,13 +114,9 @@ def test_fault_spec_is_checked_and_inert_without_the_variable(monkeypatch):
 # ---------------------------------------------------------------- checkpoints, in process
 
 
-def save_fake(manager, step: int, cfg) -> Path:
-    from tlt.rl.checkpoint import TrainerState, capture_rng_state
-
-    def write_model(path: Path) -> None:
-        torch.save({}, path / "model.safetensors")  # stands in for the weights: only its presence matters here
-    state = TrainerState(step=step, actor={"optimizer": {"lr": 0.1}}, rng=capture_rng_state(), data={"index": step})
-    return manager.save(step, write_model, state, cfg)
+def save_fake(manager, step: int, cfg, model_dir: str) -> Path:
+    from tests.conftest import checkpoint_parts
+    return manager.save(step, *checkpoint_parts(model_dir, step), cfg)
 
 
 @pytest.fixture
@@ -129,11 +125,11 @@ def cfg():
     return load_config(None, [])
 
 
-def test_resume_auto_skips_an_incomplete_newest_checkpoint(tmp_path, cfg, caplog):
+def test_resume_auto_skips_an_incomplete_newest_checkpoint(tmp_path, cfg, tiny_llama_dir, caplog):
     from tlt.rl.checkpoint import STATE_FILE, CheckpointManager
     manager = CheckpointManager(tmp_path)
     for step in (1, 2, 3):
-        save_fake(manager, step, cfg)
+        save_fake(manager, step, cfg, tiny_llama_dir)
     (manager.step_dir(3) / STATE_FILE).unlink()  # e.g. a copy cut short; the latest-step file still says 3
     with caplog.at_level("WARNING"):
         assert manager.resolve_resume("auto") == manager.step_dir(2)
@@ -141,52 +137,52 @@ def test_resume_auto_skips_an_incomplete_newest_checkpoint(tmp_path, cfg, caplog
     with pytest.raises(ValueError, match="not a complete tlt checkpoint"):
         manager.resolve_resume(str(manager.step_dir(3)))
     # a complete newer directory the latest-step file does not name yet (killed before it was updated) is used
-    save_fake(manager, 4, cfg)
+    save_fake(manager, 4, cfg, tiny_llama_dir)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("2\n")
     assert manager.resolve_resume("auto") == manager.step_dir(4)
 
 
-def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path, cfg):
+def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path, cfg, tiny_llama_dir):
     from tlt.rl.checkpoint import CheckpointManager
     keep_all = CheckpointManager(tmp_path / "all")
     rotated = CheckpointManager(tmp_path / "two", max_to_keep=2)
     for step in (1, 2, 3, 4):
-        save_fake(keep_all, step, cfg)
-        save_fake(rotated, step, cfg)
+        save_fake(keep_all, step, cfg, tiny_llama_dir)
+        save_fake(rotated, step, cfg, tiny_llama_dir)
     assert keep_all.complete_steps() == [1, 2, 3, 4]
     assert rotated.complete_steps() == [3, 4]
     one = CheckpointManager(tmp_path / "one", max_to_keep=1)
-    save_fake(one, 5, cfg)
-    save_fake(one, 6, cfg)  # the one resumed from (5) goes only once 6 is complete
+    save_fake(one, 5, cfg, tiny_llama_dir)
+    save_fake(one, 6, cfg, tiny_llama_dir)  # the one resumed from (5) goes only once 6 is complete
     assert one.complete_steps() == [6]
 
 
-def test_resave_never_points_at_a_missing_directory(tmp_path, cfg):
+def test_resave_never_points_at_a_missing_directory(tmp_path, cfg, tiny_llama_dir):
     from tlt.rl.checkpoint import LATEST_FILE, CheckpointManager
     manager = CheckpointManager(tmp_path)
-    save_fake(manager, 1, cfg)
-    save_fake(manager, 2, cfg)
+    save_fake(manager, 1, cfg, tiny_llama_dir)
+    save_fake(manager, 2, cfg, tiny_llama_dir)
     manager._point_away_from(2)  # what save() does before swapping global_step_2 out
     assert (tmp_path / LATEST_FILE).read_text().strip() == "1"
-    save_fake(manager, 2, cfg)
+    save_fake(manager, 2, cfg, tiny_llama_dir)
     assert (tmp_path / LATEST_FILE).read_text().strip() == "2"
     only = CheckpointManager(tmp_path / "only")
-    save_fake(only, 1, cfg)
+    save_fake(only, 1, cfg, tiny_llama_dir)
     only._point_away_from(1)  # no other complete checkpoint: no pointer at all rather than a dangling one
     assert not (tmp_path / "only" / LATEST_FILE).exists()
     (tmp_path / ".global_step_3.tmp-123").mkdir()  # a save a crash interrupted
-    save_fake(manager, 3, cfg)
+    save_fake(manager, 3, cfg, tiny_llama_dir)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".global_step")]
 
 
-def test_trainer_state_loads_with_weights_only_and_restores_every_rng(tmp_path, cfg):
+def test_trainer_state_loads_with_weights_only_and_restores_every_rng(tmp_path, cfg, tiny_llama_dir):
     import pickle
     import random
 
     import numpy as np
 
     from tlt.rl.checkpoint import CheckpointManager, load_trainer_state, restore_rng_state
-    path = save_fake(CheckpointManager(tmp_path), 1, cfg)
+    path = save_fake(CheckpointManager(tmp_path), 1, cfg, tiny_llama_dir)
     draws = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     restore_rng_state(load_trainer_state(path).rng)  # torch.load(weights_only=True) inside
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == draws
@@ -208,12 +204,12 @@ def test_drafter_checkpoint_thread_surfaces_any_failure(tmp_path):
     assert not list(tmp_path.glob("*.tmp*"))
 
 
-def test_resuming_from_an_older_step_sets_the_newer_checkpoints_aside(tmp_path, cfg):
+def test_resuming_from_an_older_step_sets_the_newer_checkpoints_aside(tmp_path, cfg, tiny_llama_dir):
     """After an explicit resume from step 2 of a run that reached step 5, a later resume=auto must continue the
     resumed branch, not jump back to the abandoned step 5: the newer checkpoints are renamed (kept)."""
     from tlt.rl.checkpoint import CheckpointManager
     mgr = CheckpointManager(tmp_path)
     for step in (2, 5):
-        save_fake(mgr, step, cfg)
+        save_fake(mgr, step, cfg, tiny_llama_dir)
     assert mgr.resolve_resume(str(tmp_path / "global_step_2")) == tmp_path / "global_step_2"
     assert mgr.latest_step() == 2 and (tmp_path / "abandoned_global_step_5" / "model.safetensors").is_file()

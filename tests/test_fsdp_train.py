@@ -177,10 +177,10 @@ def test_fsdp_without_torchrun_fails_before_loading(tmp_path, tiny_dir, monkeypa
 
 def test_fsdp_refuses_a_ddp_checkpoint_before_loading(tmp_path, tiny_dir, monkeypatch):
     """A one-rank torchrun group (the env torchrun sets) joins for fsdp; a ddp checkpoint has no shards to resume."""
-    ckpt = tmp_path / "global_step_1"
-    ckpt.mkdir()
-    for name in ("model.safetensors", "trainer_state.pt", "config.yaml"):  # complete, but no actor_shards/
-        (ckpt / name).write_text("")
+    from tests.conftest import checkpoint_parts
+    from tlt.rl.checkpoint import CheckpointManager
+    ckpt = CheckpointManager(tmp_path / "ddp_run").save(1, *checkpoint_parts(tiny_dir, 1), load_config(None, []))
+    assert not (ckpt / "actor_shards").exists()  # whole, but no shards
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(_free_port())).items():
         monkeypatch.setenv(key, value)

@@ -189,16 +189,17 @@ class TrainerConfig:
     save_drafter_buffer: bool = _f(True, "save the online drafter's hidden-state buffer with each checkpoint, so "
                                          "a resumed run trains the very drafter an uninterrupted one would (size: "
                                          "buffered tokens x hidden size x 2 bytes); false = it refills after a resume")
-    max_ckpt_to_keep: int | None = _f(None, "keep the newest N complete checkpoints (older ones are deleted once a "
-                                            "new one is complete); null = keep all", ge=1)
+    max_ckpt_to_keep: int | None = _f(None, "keep the newest N checkpoints that verify (older ones that verify are "
+                                            "deleted once a new one is complete; damaged ones are kept, uncounted); "
+                                            "null = keep all", ge=1)
     test_freq: int = _f(10, "validate every N steps; -1 = never", ge=-1)
     project_name: str = _f("tlt", "project name for loggers")
     experiment_name: str = _f("default", "run name; outputs go to default_local_dir/experiment_name")
     default_local_dir: str = _f("runs", "root directory of run outputs")
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = _f(
         ["console", "jsonl"], "metric sinks")
-    resume: str = _f("auto", "disable | auto (the newest complete checkpoint in the run dir) | a checkpoint "
-                                "path")
+    resume: str = _f("auto", "disable | auto (the newest checkpoint in the run dir that verifies; newer damaged "
+                             "ones are skipped with a warning) | a checkpoint path (verified: a damaged one is an error)")
     seed: int = _f(0, "global seed (torch, sampling)")
     num_rollout_workers: int = _f(1, "rollout replicas", ge=1)
     use_ray: bool = _f(False, "run rollout workers as Ray actors")

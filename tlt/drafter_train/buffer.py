@@ -136,6 +136,24 @@ class DrafterBuffer:
                             for s in self.samples],
                 "num_tokens": self.num_tokens, "num_added": self._num_added}
 
+    @staticmethod
+    def state_problem(state: dict, hidden_size: int) -> str | None:
+        """What makes a saved `state_dict()` unfit for a target of `hidden_size` (None when it fits): checked
+        before a resume loads it, from the tensors' shapes only."""
+        try:
+            for i, s in enumerate(state["samples"]):
+                ids, hidden = s["token_ids"], s["hidden"]
+                if ids.dim() != 1 or hidden.dim() != 2 or hidden.shape[1] != hidden_size:
+                    return (f"drafter buffer sample {i} holds token ids {list(ids.shape)} and hidden states "
+                            f"{list(hidden.shape)}, where [L] and [N, {hidden_size}] are expected")
+                if not 0 <= s["hidden_start"] <= s["hidden_start"] + hidden.shape[0] <= ids.shape[0] or \
+                        not 0 < s["response_start"] <= ids.shape[0]:
+                    return f"drafter buffer sample {i} has positions outside its {ids.shape[0]} tokens"
+            int(state["num_tokens"]), int(state["num_added"])
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            return f"the drafter buffer is not a DrafterBuffer state ({type(e).__name__}: {e})"
+        return None
+
     def load_state_dict(self, state: dict) -> None:
         self.samples = collections.deque(DrafterSample(**s) for s in state["samples"])
         self.num_tokens, self._num_added = int(state["num_tokens"]), int(state["num_added"])

@@ -40,7 +40,7 @@ from tlt.drafter_train.trainer import DrafterTrainer
 from tlt.models.smollm import default_model_path
 from tlt.prompts import load_examples
 from tlt.speculative.drafter import Drafter
-from tlt.speculative.drafter_io import build_draft_vocab, save_drafter
+from tlt.speculative.drafter_io import build_draft_vocab, check_drafter_dir, save_drafter
 from tlt.tasks.default_task import make_examples
 
 
@@ -299,13 +299,12 @@ def default_drafter_path(model_path: str | Path | None = None, build: dict | Non
     out = drafter_cache_dir(model_path, build)
 
     def complete(path: Path) -> bool:  # a drafter of this build (the default's directory may hold an older one)
-        prov = path / "provenance.json"
-        return prov.is_file() and _built_as(json.loads(prov.read_text()), build)
+        try:
+            return _built_as(json.loads((path / "provenance.json").read_text()), build)
+        except (OSError, ValueError):  # none, or one that does not read: not this build's
+            return False
 
-    if complete(out):
-        _check_same_target(out, model_path)
-        return out
-    if out.exists():
+    if out.exists() and not complete(out):
         print(f"the cached warm-up drafter {out} was built with other settings than this version's: rebuilding it")
 
     def build_into(tmp: Path) -> None:
@@ -313,7 +312,7 @@ def default_drafter_path(model_path: str | Path | None = None, build: dict | Non
               f"three minutes on CPU)")
         train_drafter(OfflineConfig(out=str(tmp), model=str(model_path), **build),
                       command=f"tlt.drafter_train.offline.default_drafter_path({str(model_path)!r}, {build!r})")
-    build_atomically(out, build_into, complete)
+    build_atomically(out, build_into, complete, verify=check_drafter_dir)  # a damaged one is rebuilt
     _check_same_target(out, model_path)
     return out
 

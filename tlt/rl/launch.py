@@ -28,7 +28,7 @@ from tlt.drafter_train import offline
 from tlt.models import smollm
 from tlt.rl.advantages import get_adv_estimator
 from tlt.rl.losses import get_policy_loss
-from tlt.rl.preflight import check_run
+from tlt.rl.preflight import check_run, claim_run_dir
 from tlt.rl.tiny_model import TINY_MODEL_NAME, tiny_random_model_path
 from tlt.tasks import default_task
 
@@ -182,5 +182,9 @@ def train_on_placement(cfg: Config, run_rank: Callable[[Config], Any]) -> Any:
     a = assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus)
     check_run(cfg)
     check_ranks(cfg, len(a.trainer_bundles))
+    claim = claim_run_dir(cfg, owner=True)  # the launcher holds the run directory for its placed ranks
     from tlt.workers.trainer_group import run_trainer_ranks
-    return run_trainer_ranks(a, run_rank, cfg)
+    try:
+        return run_trainer_ranks(a, run_rank, cfg)
+    finally:
+        claim.lock.release()

@@ -1,9 +1,11 @@
-"""Checks a run's inputs before any expensive work: the data files (every row), the model directory and its
-tokenizer, the reward function, the drafter directory and the output directory.
+"""Checks a run's inputs before any expensive work: the data files (every row), the model directory (its weights
+against its config) and tokenizer, the reward function, the drafter directory and the output directory; then
+claims the run directory and verifies the checkpoint it resumes from.
 
-`tlt train` calls `check_run(cfg)` right after the config loads, before the default model is converted, the
-warm-up drafter is built, Ray starts or a rollout runs. Each problem is a `UserError` whose message names the file,
-row or key and says what to do; the command line prints it without a traceback and exits with code 2.
+`tlt train` calls `check_run(cfg)` right after the config loads, and `claim_run_dir(cfg, owner)` once it knows its
+rank, both before the default model is converted, the warm-up drafter is built, Ray starts or a rollout runs. Each
+problem is a `UserError` whose message names the file, row or key and says what to do; the command line prints it
+without a traceback and exits with code 2.
 """
 from __future__ import annotations
 
@@ -11,17 +13,20 @@ import json
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from tlt.config import Config, TrainerConfig
+from tlt.integrity import CorruptFileError
 from tlt.models import flex, smollm
 from tlt.models.config import ModelConfig
 from tlt.models.loader import load_tokenizer, weight_files
+from tlt.models.weights_check import check_model_weights
 from tlt.prompts import DataError, chat_ids, load_examples
 from tlt.rl.rewards import RewardError, load_custom_function
+from tlt.rl.run_lock import RunLock
 from tlt.rl.tiny_model import TINY_MODEL_NAME
 from tlt.schema import UserError
-
 
 
 def check_run(cfg: Config) -> None:
@@ -39,8 +44,34 @@ def check_run(cfg: Config) -> None:
     if s.enabled and s.method == "eagle" and s.model is not None:
         check_drafter_dir(s.model)
     t = cfg.trainer
-    check_output_dir(Path(t.default_local_dir) / t.project_name / t.experiment_name, checkpoint_bytes(cfg),
-                     checkpoints_held(t))
+    check_output_dir(run_dir_of(cfg), checkpoint_bytes(cfg), checkpoints_held(t))
+
+
+def run_dir_of(cfg: Config) -> Path:
+    t = cfg.trainer
+    return Path(t.default_local_dir) / t.project_name / t.experiment_name
+
+
+@dataclass
+class RunDir:
+    lock: RunLock | None     # held while the run lives (the owner's; None on the other ranks)
+    resume_dir: Path | None  # the verified checkpoint trainer.resume names, or None: start fresh
+
+
+def claim_run_dir(cfg: Config, owner: bool) -> RunDir:
+    """The owner (the process `tlt train` started: rank 0, or the launcher of placed ranks) locks the run directory
+    (tlt.rl.run_lock), then every rank finds the checkpoint it resumes from, verified (tlt.rl.checkpoint): the
+    newest one that verifies for trainer.resume=auto, an error naming the bad file for a directory."""
+    from tlt.rl.checkpoint import CheckpointManager
+    run_dir = run_dir_of(cfg)
+    lock = RunLock(run_dir).acquire() if owner else None
+    try:
+        resume_dir = CheckpointManager(run_dir).resolve_resume(cfg.trainer.resume, set_aside=owner)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return RunDir(lock, resume_dir)
 
 
 def check_attention_backend(name: str) -> None:
@@ -75,6 +106,9 @@ def check_model_dir(path: str):
         hf = json.loads((where / "config.json").read_text())
         ModelConfig.from_hf(hf)
         weight_files(where)
+        check_model_weights(where, "Copy the model again, or set model.path to a whole HF model directory")
+    except CorruptFileError as e:
+        raise UserError(f"model.path: {e}") from None
     except FileNotFoundError as e:
         raise UserError(f"model.path: {e}") from None
     except json.JSONDecodeError as e:
@@ -119,11 +153,18 @@ def check_reward_function(spec: str) -> None:
 
 
 def check_drafter_dir(path: str) -> None:
+    """A drafter directory whose files are whole and whose weights have the shapes its config implies."""
+    from tlt.speculative.drafter_io import check_drafter_dir as check_files
     where = Path(path)
     if not (where / "drafter.safetensors").is_file() or not (where / "drafter_config.json").is_file():
         raise UserError(f"speculative.model: {path} is not a drafter directory (drafter.safetensors + "
                         "drafter_config.json): build one with `tlt train-drafter --out DIR`, or set "
                         "speculative.model=null for the default model's warm-up drafter")
+    try:
+        check_files(where, "Copy the drafter again, build one with `tlt train-drafter --out DIR`, or set "
+                           "speculative.model=null for the default model's warm-up drafter")
+    except CorruptFileError as e:
+        raise UserError(f"speculative.model: {e}") from None
 
 
 def model_size(model_path: str | None) -> tuple[int, int]:

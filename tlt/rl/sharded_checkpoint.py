@@ -4,7 +4,8 @@
 DCP directory, under the model's own parameter names; `load_sharded` reads them back into an Actor with any
 strategy and rank count (DCP reshards: save with 2 FSDP ranks, resume with 1 process, or the reverse).
 `export_hf` gathers the full weights and writes config.json + model.safetensors under HF names
-(tlt.models.loader.hf_state_dict), which transformers and tlt both load.
+(tlt.models.loader.hf_state_dict), which transformers and tlt both load. A resume checks the directory first
+(tlt.rl.checkpoint_verify.check_sharded: every shard its metadata names, whole).
 """
 from __future__ import annotations
 
@@ -22,8 +23,7 @@ from tlt.models.decoder import Decoder
 from tlt.models.loader import save_model
 from tlt.rl.actor import Actor
 from tlt.rl.checkpoint import tensor_bytes
-
-SHARDS_DIR = "actor_shards"  # in a tlt train checkpoint (global_step_N/) of an actor.strategy=fsdp run
+from tlt.rl.checkpoint_verify import SHARDS_DIR  # noqa: F401 - in global_step_N/ of an actor.strategy=fsdp run
 
 
 def _state(actor: Actor) -> dict:

@@ -55,9 +55,11 @@ def build_tiny_model(out_dir: str | os.PathLike, hidden_size: int = 64, num_laye
 
 
 def tiny_random_model_path() -> Path:
-    """The cached tiny model directory; built on first use, atomically (temp sibling + rename)."""
+    """The cached tiny model directory; built on first use, atomically (temp sibling + rename), and again when it
+    fails verification (tlt.cache)."""
+    from tlt.models.weights_check import check_model_weights
     done = lambda p: (p / "config.json").is_file() and (p / "model.safetensors").is_file()  # noqa: E731
-    return build_atomically(cache_root() / "tiny-random-llama", build_tiny_model, done)
+    return build_atomically(cache_root() / "tiny-random-llama", build_tiny_model, done, verify=check_model_weights)
 
 
 if __name__ == "__main__":

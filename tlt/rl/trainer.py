@@ -56,6 +56,7 @@ from tlt.drafter_train.hook import DrafterHook
 from tlt.engine.outputs import RequestOutput
 from tlt.faults import fault_point
 from tlt.prompts import load_examples
+from tlt.rl.preflight import check_run, claim_run_dir
 from tlt.rl import fsdp
 from tlt.rl.actor import Actor
 from tlt.rl.advantages import compute_advantages, groups_to_keep, keep_mask
@@ -65,7 +66,6 @@ from tlt.rl.data import PromptDataset
 from tlt.rl.launch import (DistInfo, check_launch, check_ranks, config_device, gather, init_distributed,
                            prepare_config, train_on_placement)
 from tlt.rl.logging import MetricsLogger, PhaseTimer, flat_numbers, reduce_metrics, rollout_metrics
-from tlt.rl.preflight import check_run
 from tlt.rl.rewards import RewardManager
 from tlt.rl.rollout import ActorBatch, RolloutBatch, generate_rollouts, rollout_request
 from tlt.rl.sharded_checkpoint import SHARDS_DIR, consolidated, load_sharded, save_sharded, shard_bytes
@@ -89,6 +89,8 @@ class GRPOTrainer:
         check_run(cfg)  # every input checked before any expensive work (tlt.rl.preflight)
         device = config_device(cfg)
         self.cfg, self.dist = cfg, init_distributed(device.type, single_rank=cfg.actor.strategy == "fsdp")
+        # the run directory locked (placed ranks: by their launcher), the checkpoint to resume from verified
+        self.run_dir_claim = claim_run_dir(cfg, owner=self.dist.is_main and not placed)
         if cfg.actor.strategy == "fsdp" and not dist.is_initialized():
             raise ConfigError("actor.strategy=fsdp needs torch.distributed: launch with torchrun, e.g. `torchrun "
                               "--nproc_per_node 2 -m tlt train CONFIG ...`; for one plain process set "
@@ -107,7 +109,7 @@ class GRPOTrainer:
         torch.manual_seed(t.seed)
         self.run_dir = Path(t.default_local_dir) / t.project_name / t.experiment_name
         self.ckpt = CheckpointManager(self.run_dir, t.max_ckpt_to_keep)
-        resume_dir = self.ckpt.resolve_resume(t.resume)
+        resume_dir = self.run_dir_claim.resume_dir
         if resume_dir and cfg.actor.strategy == "fsdp" and not (resume_dir / SHARDS_DIR / ".metadata").is_file():
             raise ConfigError(f"trainer.resume: {resume_dir} was saved by an actor.strategy=ddp run (no sharded "
                               f"{SHARDS_DIR}/); resume it with actor.strategy=ddp, or start an fsdp run from its "

@@ -3,6 +3,8 @@ draft vocabulary.
 
 tlt format (`save_drafter`): drafter.safetensors with our own keys (fc.*, layer.*; fused qkv_proj / gate_up_proj)
 + drafter_config.json (the ModelConfig) + draft_vocab.safetensors when the drafter has a reduced vocabulary.
+`check_drafter_dir` checks such a directory from its headers (every weight there, in the shape its config implies)
+before anything loads it.
 
 EAGLE format (`export_eagle`), checked against the serving code (read via the code search, 2026):
 - SGLang python/sglang/srt/models/llama_eagle.py: entry class `LlamaForCausalLMEagle` (and qwen2_eagle.py:
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tlt.integrity import CorruptFileError, check_json, check_manifest, check_safetensors
 from tlt.models.config import ModelConfig
 from tlt.models.loader import write_safetensors
 from tlt.speculative.drafter import Drafter
@@ -66,6 +69,29 @@ def load_drafter(path: str | Path, drafter: Drafter | None = None, device: str =
     if (path / "draft_vocab.safetensors").is_file():
         drafter.d2t = load_draft_vocab(path / "draft_vocab.safetensors").to(next(drafter.parameters()).device)
     return drafter
+
+
+def check_drafter_dir(path: str | Path, fix: str) -> ModelConfig:
+    """The drafter's config, after its files passed the header checks (tlt.integrity); a CorruptFileError names
+    the first bad file. Reads no weights."""
+    path = Path(path)
+    check_manifest(path, fix)
+    config = path / "drafter_config.json"
+    meta = check_json(config, fix)
+    try:
+        cfg = ModelConfig(**meta["model_config"])
+    except (KeyError, TypeError) as e:
+        raise CorruptFileError(config, f"is not a tlt drafter config ({type(e).__name__}: {e})", fix) from None
+    with torch.device("meta"):  # the shapes a drafter of this config has, without allocating it
+        shapes = {k: tuple(v.shape) for k, v in Drafter(cfg).trainable_state_dict().items()}
+    weights = path / "drafter.safetensors"
+    unexpected = sorted(set(check_safetensors(weights, fix, shapes)) - set(shapes))
+    if unexpected:
+        raise CorruptFileError(weights, f"holds weights a drafter of its config has not ({unexpected[:3]})", fix)
+    vocab = path / "draft_vocab.safetensors"
+    if vocab.is_file() and len(check_safetensors(vocab, fix).get("d2t", ())) != 1:
+        raise CorruptFileError(vocab, "has no one-dimensional 'd2t' tensor", fix)
+    return cfg
 
 
 def eagle_state_dict(drafter: Drafter) -> dict[str, torch.Tensor]:
