@@ -69,22 +69,30 @@ def test_plan_fails_early_naming_the_key(capsys, tiny_llama_dir):
     assert "80GiB" in capsys.readouterr().err
 
 
-def test_kv_cache_with_cuda_graphs_holds_every_slot_at_rounded_capacity(tiny_llama_dir):
-    """Graphed decoding allocates every rollout.max_num_seqs slot (padding rows write into free ones) and rounds the
-    capacity to cuda_graph.ROUND, with the speculator's headroom for a draft tree; enforce_eager (the control)
-    plans what is running."""
+def test_kv_cache_with_cuda_graphs_holds_its_batch_buckets_slots_at_rounded_capacity(tiny_llama_dir):
+    """Graphed decoding allocates the slots of the running batch's bucket (17 rows: bucket 32; padding rows write
+    into free slots) and rounds the capacity to cuda_graph.ROUND, with the speculator's headroom for a draft tree,
+    what the engine's static path allocates; enforce_eager (the control) plans what is running (17 rows: 24
+    slots)."""
     from tlt.engine.cuda_graph import ROUND
     m = read_config(tiny_llama_dir)
-    base = [f"model.path={tiny_llama_dir}", "model.device=cuda", "rollout.max_num_seqs=64", "data.train_batch_size=2",
-            "rollout.n=4", "data.max_prompt_length=100", "data.max_response_length=300", "speculative.enabled=true",
+    base = [f"model.path={tiny_llama_dir}", "model.device=cuda", "rollout.max_num_seqs=64", "data.train_batch_size=17",
+            "rollout.n=1", "data.max_prompt_length=100", "data.max_response_length=300", "speculative.enabled=true",
             "rollout.dtype=bfloat16", "model.dtype=float32"]
     per_position = m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2  # bf16 on CUDA
     graphed = memory_plan(load_config(None, base), m, 1).bytes("kv cache")
     eager = memory_plan(load_config(None, base + ["rollout.enforce_eager=true"]), m, 1).bytes("kv cache")
     headroom = load_config(None, base).speculative.cache_headroom()  # what the engine reserves at admission
     capacity = -(-(100 + 300 + headroom) // ROUND) * ROUND
-    assert graphed == 64 * capacity * per_position
-    assert eager == 8 * 480 * per_position  # 8 responses running, 400 + 65 positions rounded up to 32
+    assert graphed == 32 * capacity * per_position
+    assert eager == 24 * 480 * per_position  # 17 responses running, 400 + 65 positions rounded up to 32
+    # the engine's static path on the CPU allocates those slots for 17 rows
+    import tlt
+    from tlt.engine.cuda_graph import GraphedForward
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=64, enforce_eager=True)
+    llm.engine.runner.graphs = GraphedForward(llm.engine.model, llm.engine.kv, capture=False)
+    llm.generate([[1, 2, 3]] * 17, tlt.SamplingParams(temperature=0, max_tokens=2))
+    assert llm.engine.kv.slots == 32
 
 
 def test_colocated_counts_the_replica_weights_beside_the_ranks_engine(tiny_llama_dir):

@@ -28,7 +28,7 @@ import torch
 from tlt.bundles import assign_bundles
 from tlt.config import Config, ConfigError, load_config
 from tlt.device import cpu_has_fast_bf16
-from tlt.engine.cuda_graph import ROUND
+from tlt.engine.cuda_graph import ROUND, bucket
 from tlt.models.config import ModelConfig
 from tlt.models.decoder import Decoder
 from tlt.models.loader import read_config
@@ -96,10 +96,12 @@ class Plan:
 
 def _kv_bytes(cfg: Config, m: ModelConfig, responses: int, capacity: int, layers: int, graphs: bool = False) -> int:
     """The engine's slot KV cache at its largest (tlt.engine.kv_cache) for an engine that decodes `responses`:
-    slots rounded up to 8 for the sequences running at once; with CUDA graphs every slot (padding rows write into
-    free ones, tlt.engine.cuda_graph)."""
+    slots rounded up to 8 for the sequences running at once; with CUDA graphs for their batch bucket's rows (padding
+    rows write into free slots, tlt.engine.cuda_graph)."""
     running = min(cfg.rollout.max_num_seqs, responses)
-    slots = cfg.rollout.max_num_seqs if graphs else min(-(-running // 8) * 8, cfg.rollout.max_num_seqs)
+    if graphs:
+        running = bucket(running, cfg.rollout.max_num_seqs)
+    slots = min(-(-running // 8) * 8, cfg.rollout.max_num_seqs)
     width = 2 if cfg.rollout_dtype() == "bfloat16" else 4
     return slots * capacity * layers * 2 * m.num_kv_heads * m.head_dim * width
 
