@@ -10,8 +10,9 @@ plain steps at bs; PlainCosts). "off" is 1. Raw tokens per second would compare 
 sizes of one bucket.
 
 Choice, at or below `bs_threshold` (above it: "off"):
-  1. a trial: an arm whose record holds fewer than `min_steps` steps since it was emptied, in table order ("off"
-     first: it prices the others), unless the prior says it cannot pay (`could_pay`: where not to look);
+  1. a trial: an arm whose record holds fewer than `min_steps` steps and `min_rows` rows (its steps' batch sizes
+     summed) since it was emptied, in table order ("off" first: it prices the others), unless the prior says it
+     cannot pay (`could_pay`: where not to look): a step at bs 64 says as much as 16 at bs 4;
   2. "off", where the chosen SD arm would be priced without a plain step at this batch size, or none ran in the last
      `refresh` choices (the price follows the machine);
   3. the active arm of highest score, its value x (1 + explore * sqrt(ln n / its steps)), n the bucket's choices
@@ -19,8 +20,9 @@ Choice, at or below `bs_threshold` (above it: "off"):
      as its steps accrue, and a new drafter's arms, their records cut, are explored again); "off" scores 1 and wins
      ties.
 Parking, the one mechanism for anything that stopped paying: an SD arm judged below 1 is parked (neither chosen nor
-explored). It is tried again (a probe: a fresh trial) once its bucket has decoded 1 / `probe` times the seconds it
-lost, doubled for each probe in a row that found it losing (up to 2 ** backoff), or at once when new drafters have
+explored). It is tried again (a probe: a fresh trial) once its bucket has decoded n / `probe` times the seconds it
+lost (n: the bucket's SD arms, so that their probes together cost about `probe` of its time), doubled for each
+probe in a row that found it losing (up to 2 ** backoff), or at once when new drafters have
 grown its accept length enough since it was parked for it to pay (`drafter_changed(gain)`). A bucket whose SD arms
 are all parked decodes plainly. `explain()` says per bucket and arm what the record holds and why it runs or not.
 """
@@ -112,6 +114,7 @@ class ArmRecord:
     arm: Arm
     steps: deque = field(default_factory=deque)  # (bs, tokens, seconds)
     seconds: float = 0.0
+    rows: int = 0                    # its steps' batch sizes summed
     sums: dict[int, list] = field(default_factory=dict)  # batch size -> [steps, sum of tokens / bs]
     chosen: int = 0
     parked_for: float | None = None  # seconds its bucket decodes before its probe; None: active
@@ -141,6 +144,7 @@ class ArmRecord:
     def _count(self, step: tuple, sign: int) -> None:
         bs, tokens, seconds = step
         self.seconds += sign * seconds
+        self.rows += sign * bs
         s = self.sums.setdefault(bs, [0, 0.0])
         s[0] += sign
         s[1] += sign * tokens / bs
@@ -176,7 +180,8 @@ class Bucket:
 
 class AdaptivePolicy:
     def __init__(self, bounds: Sequence[float], arms: Sequence[Sequence[Arm]], bs_threshold: int | None = None,
-                 explore: float = 0.25, window: int = 64, min_steps: int = 4, refresh: int = 64, probe: float = 0.01,
+                 explore: float = 0.25, window: int = 32, min_steps: int = 4, min_rows: int = 16, refresh: int = 64,
+                 probe: float = 0.01,
                  backoff: int = 4):
         if len(bounds) != len(arms) or list(bounds) != sorted(bounds) or bounds[-1] != math.inf:
             raise ValueError(f"bounds must increase to inf, one list of arms each; got {list(bounds)}")
@@ -185,7 +190,7 @@ class AdaptivePolicy:
             if not table or len(set(names)) != len(names):
                 raise ValueError(f"a bucket needs at least one arm and unique names, got {names}")
         self.bs_threshold, self.explore, self.window = bs_threshold, explore, window
-        self.min_steps = min_steps
+        self.min_steps, self.min_rows = min_steps, min_rows
         self.refresh, self.probe, self.backoff = refresh, probe, backoff
         self.price = PlainCosts()
         self.accepted: dict[tuple[str, int], float] = {}  # (method, depth) -> tokens a row a step, best bucket
@@ -237,8 +242,8 @@ class AdaptivePolicy:
         return rec.arm
 
     def _tried(self, rec: ArmRecord) -> bool:
-        """Whether the record holds a trial's worth of steps."""
-        return len(rec.steps) >= self.min_steps
+        """Whether the record holds a trial's worth: min_steps steps or min_rows rows."""
+        return len(rec.steps) >= self.min_steps or rec.rows >= self.min_rows
 
     def score(self, b: Bucket, rec: ArmRecord) -> float:
         """value x (1 + explore * sqrt(ln(n) / its steps)), n the bucket's choices: an arm with few steps on record is
@@ -270,10 +275,11 @@ class AdaptivePolicy:
             self.accepted[(arm.method, arm.depth)] = max(
                 r.tokens_per_row() for bb in self.buckets for r in bb.arms if r.arm == arm and r.steps)
             if self._tried(rec) and off_in(b):
-                self._judge(rec)
+                self._judge(rec, sum(r.arm.method != "off" for r in b.arms))
 
-    def _judge(self, rec: ArmRecord) -> None:
-        """Park an SD arm that loses to plain decoding; end a probe's back-off where it pays."""
+    def _judge(self, rec: ArmRecord, arms: int) -> None:
+        """Park an SD arm that loses to plain decoding (its probes, and its bucket's `arms` SD arms' together, cost
+        about `probe` of the bucket's time); end a probe's back-off where it pays."""
         value = self.value(rec)
         if value >= 1.0:
             if rec.probing:
@@ -281,7 +287,7 @@ class AdaptivePolicy:
             return
         if rec.probing:
             rec.misses += 1
-        wait = rec.seconds * (1.0 - max(value, 0.0)) / self.probe if self.probe else math.inf
+        wait = rec.seconds * (1.0 - max(value, 0.0)) * arms / self.probe if self.probe else math.inf
         rec.parked_for, rec.waited, rec.probing = wait * 2 ** min(rec.misses, self.backoff), 0.0, False
         rec.parked_value, rec.grown = value, 1.0
 
