@@ -2,37 +2,26 @@
 
     tlt bench e2e [CONFIG] [--steps N] [--modes off,always,adaptive] [--threads 1] [--quick] [key=value ...]
     tlt bench e2e configs/smoke.yaml --quick                       # seconds, tiny random model
-    tlt bench e2e data.train_batch_size=4 rollout.n=4 data.max_response_length=128 --steps 6
 
 One GRPOTrainer per mode, each in its own process and run directory, all from the same config and seeds (CONFIG,
-else the one `tlt train` runs, tlt/configs/default.yaml: the default task on SmolLM2-135M-Instruct).
-The modes differ only in the speculative section:
+else the one `tlt train` runs, tlt/configs/default.yaml). The modes differ only in the speculative section:
     off       speculative.enabled=false
     always    SD at every batch size with one fixed EAGLE chain (bs_threshold=null, adaptive=false)
     adaptive  SD gated on the running batch (speculative.bs_threshold) with the adaptive policy over the arm table
-    adaptive_rej, frozen, ngram (on request): adaptive with speculative.acceptance=rejection (SD off's law, other
-              samples), with the warm-started drafter never trained, with n-gram drafts only
-    off_control (on request): SD off again, in its own process: how far two identical processes' ratios part on
-              this machine, the noise every other mode's ratios carry
-Drafter: speculative.model, else the cached warm-up drafter of the model (tlt.drafter_train.offline); without one
-the SD modes use n-gram drafts, and the output says so. The processes take turns one RL step at a time, in an
-order rotated every step (A B C, B C A, ...), so drift of a shared machine hits every mode alike; a waiting
-process is blocked on a pipe and uses no CPU. Timing is the trainer's own: timing_s/gen (rollout) and
-timing_s/step without validation (timing_s/testing); checkpoints are saved outside the step's timer.
-step_speedup is the median over steps of off's step time over the mode's; run_speedup the whole run's (off's total
-over the mode's); step1_speedup and later_step_speedup (the median over steps 2..N) apart, because in step 1 the
-process that runs second faults its first update's memory in at ~2.4x the kernel time whatever its mode
-(docs/results/e2e_cpu-zen4_2026-11-25_mode-order.txt), and the rotation puts the first mode listed first.
-sd_step_speedup is the median step ratio with the mode's rollout and drafter round put into off's step in place
-of off's: where same_resp is 1.0 the other phases do the same work in every mode, and their differences (up to
-1.5x in an update on a 2-core VM, mostly page faults) are the machine's noise, not the mode's.
-
-Learning must not change. Seeded rollouts with drafter-invariant verification sample SD off's very responses, so
-`same_resp` (the fraction of responses equal to off's, token for token) is 1.0 where the forwards round alike,
-and then the modes run one and the same training run at different speeds. Where they can part (bf16, GPU),
-per-response rewards and lengths, pooled over steps, are compared between off and each SD mode (Mann-Whitney U and
-Kolmogorov-Smirnov, scipy), and the per-step mean-reward difference gets a bootstrap 95% CI (responses resampled
-within each step). Curves go to <out>/e2e_curves.png. Prints a table, then one JSON line.
+    adaptive_rej, frozen, ngram (on request): rejection sampling, the warm-started drafter never trained, n-gram only
+    off_control (on request): SD off again in its own process, the noise every other mode's ratios carry
+Drafter: speculative.model, else the model's cached warm-up drafter; without one the SD modes use n-gram drafts,
+and the output says so. The processes take turns one RL step at a time, in an order rotated every step, so drift of
+a shared machine hits every mode alike; a waiting process is blocked on a pipe and uses no CPU. Timing is the
+trainer's own (timing_s/gen, timing_s/step without validation).
+step_speedup: the median over steps of off's step time over the mode's; run_speedup: the whole run's;
+step1_speedup and later_step_speedup apart (in step 1 the process that runs second pays more for its first
+update's page faults); sd_step_speedup: the median step ratio with the mode's rollout and drafter round put into
+off's step, which drops the other phases' noise where they do the same work (docs/design.md §11).
+Learning must not change: `same_resp` is the fraction of responses equal to off's, token for token (1.0 where the
+forwards round alike: the modes then run one training run at different speeds). Where they can part (bf16, GPU),
+per-response rewards and lengths are compared (Mann-Whitney U, Kolmogorov-Smirnov) and the per-step mean-reward
+difference gets a bootstrap 95% CI. Curves go to <out>/e2e_curves.png. Prints a table, then one JSON line.
 """
 from __future__ import annotations
 

@@ -1,39 +1,26 @@
-"""Online drafter training inside the single-process RL loop (no Ray): the trainer's DrafterHook.
+"""Online drafter training inside the single-process RL loop (no Ray): the trainer's DrafterHook (docs/design.md §5).
 
-Every RL step the rollout's target hidden states (kept by the engine, docs/design.md §3) go into the
-step-tagged DrafterBuffer. Every `drafter_train.every_k_steps` steps, once the buffer holds
-`min_buffer_tokens`, one training round runs after the policy update, on a training copy of the engine's
-drafter: evaluate the published weights on a held-out slice, take a bounded number of drafter steps, evaluate
-again, and publish into the running engine (`llm.spec.load_drafter_state`) only if held-out accuracy did not drop
-(`should_publish`); a refused round is rolled back. Exactness of speculative decoding never depends on the
-drafter, so publishing between steps is always safe.
+Every RL step the rollout's target hidden states (kept by the engine, §3) go into the step-tagged DrafterBuffer.
+Every `drafter_train.every_k_steps` steps, once the buffer holds `min_buffer_tokens`, one round runs on a training
+copy of the engine's drafter: evaluate the published weights on a held-out slice, take a bounded number of drafter
+steps (one pass over the loss tokens that arrived since the last round, capped by `max_steps` / `max_seconds`),
+evaluate again, and publish into the running engine (`llm.spec.load_drafter_state`) only if held-out accuracy did
+not drop (`should_publish`), with its gain in held-out accept length (AdaptivePolicy.drafter_changed); a refused
+round is rolled back. A published round is judged again on the next step's held-out responses (prompts no drafter
+trained on) against the weights it started from; one judged worse is undone (drafter/reverted). Exactness never
+depends on the drafter, so a publish is always safe. Nothing here reads a clock to decide: a resumed run trains
+the drafter an uninterrupted one does.
 
-Budget of a round: by default one pass over the loss tokens that arrived since the previous round
-(ceil(new_tokens / batch_tokens) drafter steps), optionally capped by `max_steps` and `max_seconds`.
+When: with `spot` off, after the policy update, paid on top of the step. With `spot` on, the round on the steps so
+far runs in a thread beside the next rollout, on compute the rollout leaves idle; when the rollout ends,
+`rollout_done` returns once the thread has paused before its next drafter step (the update rewrites the target's
+embedding and LM head, which a drafter step reads), it stays paused through the log-probs and the update, then
+finishes, and is published after that rollout (drafter/spot_yield_s, spot_wait_s). The round reads only the buffer
+and its training copy; the engine's drafter changes only in the main thread. The drafter comparison
+(compare_drafters) runs in the same place, on the previous step's held-out responses (drafter/compare/rl_step).
 
-When: with `spot` off, after the policy update, paid on top of the RL step (drafter/train_time_s). With `spot` on
-(TLT's spot training, in one process) the round on the steps so far starts in a thread when the next rollout
-starts and runs on what the rollout leaves idle (a CPU core the rollout's one torch thread does not use). When the
-rollout ends the thread yields: `rollout_done` returns once it has paused before its next drafter step (the
-update rewrites the target's embedding and LM head, which a drafter step reads; drafter/spot_yield_s), it stays
-paused while the log-probs and policy update run (they would share memory bandwidth with it), and resumes after
-the update to finish what is left, which the step then waits for (drafter/spot_wait_s; docs/design.md §5). It is
-published after that, so a drafter reaches the engine one step later. The round reads only the buffer and its
-own training copy; the engine's drafter changes only in the main thread. A round that ends within the rollout
-trains what a spot=false round trains; steps left for after the update see the updated target. The drafter comparison
-(compare_drafters) runs in that thread too, on the previous step's held-out responses, and is logged with the
-step whose rollout it ran alongside (drafter/compare/rl_step names the responses' step).
-
-Publishing: a round is published only if held-out accuracy did not drop (`should_publish`), with its gain in
-held-out accept length, which the policy uses to decide whether parked drafter arms are worth a trial
-(AdaptivePolicy.drafter_changed). A published round is judged again where it will be used, on the next step's
-held-out responses (prompts no drafter trained on), against the weights it started from; one judged worse there is
-undone: the next round trains from those weights, and publishes them back if it is refused (drafter/reverted;
-docs/design.md §5). Nothing here reads a clock to decide: a resumed run trains the drafter an uninterrupted one does.
-
-The hook's checkpoint state is the published drafter weights, the optimiser, the sampling generator, the
-counters and the buffer (its hidden states too: a resumed run must train on what the uninterrupted one would, to
-end with the same drafter; save_buffer=False leaves it out, and it refills from the next rollouts).
+Checkpoint state: the published weights, the optimiser, the sampling generator, the counters and (save_buffer) the
+buffer with its hidden states, so a resumed run trains on what the uninterrupted one would.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Captured CUDA graphs for the few-token forwards: the target's decode and verification, and (through GraphSet) the
 speculative step's other parts (tlt.speculative.draft_graph, verify_static) and SD's K/V commit.
 
-A decode step of a small model on a GPU is launch-bound: SmolLM2-135M took ~18 ms a step on an H100 at batch 1 and
-at batch 64 alike (30 layers of small kernels and their Python). As in vLLM and nano-vllm, a forward is captured
+A decode step of a small model on a GPU is launch-bound: it takes about as long at batch 64 as at batch 1 (many layers
+of small kernels, each launched from Python; docs/design.md §9). As in vLLM and nano-vllm, a forward is captured
 once per key and replayed: one launch a step. The key space is bounded, since every capture costs 10-100 plain
 steps: a batch of B rows runs in the smallest of BUCKETS >= B, its tokens per row padded up to the next of WIDTHS
 (padding columns attend to themselves only, and their K/V land past the row's end, where nothing reads them).

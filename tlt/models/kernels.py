@@ -1,51 +1,28 @@
 """CPU inference fast paths, used by the decoder wherever autograd is off (rollout, scoring, drafting).
 
-`linear` serves an inference matmul (CPU, autograd off) from a copy of the weight laid out for a faster kernel:
-- fp32 on an AVX2 or AVX-512 CPU, up to SMALL_GEMM_MAX_ROWS rows: tlt's own kernel (csrc/small_gemm.c, built with
-  the system C compiler on first use into the cache). The weight is packed into panels of 16 columns (AVX2 + FMA)
-  or 64 (AVX-512, chosen at run time; the same bits), each contiguous over k, so one pass streams the weight while
-  each loaded vector feeds up to 6 rows.
-  MKL's sgemm reads the weight at a third of the memory bandwidth for a few rows; every matmul of a SmolLM2 decode
-  step at 4 rows takes 27.5 ms here against 79 ms (one core of an AVX2 EPYC). On an AVX-512 Zen 4 EPYC it beats
-  oneDNN's prepacked fp32 matmul too (the five matmul shapes of a SmolLM2 layer + LM head, two threads: 1.67x at 4
-  rows, 1.35x at 16, 1.14x at 64, parity at 256-512). Sums run in another order than MKL (~1e-6 relative).
-- bf16 on a CPU with AVX512-BF16, up to BF16_GEMM_MAX_ROWS rows: tlt's bf16 twin of that kernel
-  (csrc/small_gemm_bf16.c, vdpbf16ps: pairs of bf16 products summed into fp32 lanes, the output rounded to bf16
-  once; panels of 64 columns). Two threads on a Zen 4 EPYC, the five matmul shapes of a SmolLM2 layer + LM head:
-  2.0x oneDNN's bf16 matmul at one row and parity at 4-512 rows with 32-column panels, which 64-column ones beat by
-  1.1-1.2x at 1-64 rows; its rows are batch-independent as the fp32 kernel's. On a CPU with AMX the same call runs
-  on the tile unit (blocks of 16 rows, TDPBF16PS), over the same packed weight, for the whole process (its sums
-  differ from vdpbf16ps's in the last bits, so the two never mix; its rows are as batch-independent): a Xeon with
-  AMX, two threads, SmolLM2-135M decoding: 1.08 / 0.93 / 1.46 / 2.79x at bs 1 / 4 / 16 / 64 (docs/design.md §9).
-  Opt-in for the process with TLT_BF16_AMX=1 (the default run's learning with it is not yet established, §9);
-  ONEDNN_MAX_CPU_ISA without AMX (oneDNN's own cap) keeps it off; `bf16_amx(on)` sets it inside a block.
-  Both kernels prefetch the weight's next panel in software from a few rows on, and on Intel CPUs from fewer or
-  one, whose hardware prefetcher left the 1-3-row matmuls of decoding and verification waiting on memory
-  (`prefetch_min_rows`; a bf16 decode step at bs 1 about 15% faster on an Emerald Rapids Xeon).
-- bf16 otherwise (more rows, no AVX512-BF16): a oneDNN-prepacked weight. Bit-identical to F.linear and about 2x
-  faster at decode batch sizes on a CPU with avx512_bf16 (a [1, 576] x [576, 3072] matmul: 115 -> 59 us on one
-  EPYC core).
-- fp32 under backend("onednn"): the oneDNN-prepacked weight (~1e-5 relative difference over a 30-layer model).
+`linear` serves an inference matmul from a copy of the weight laid out for a faster kernel:
+- fp32 on an AVX2 or AVX-512 CPU, up to SMALL_GEMM_MAX_ROWS rows: tlt's kernel (csrc/small_gemm.c, built with the
+  system C compiler on first use and cached), the weight packed in panels of 16 (AVX2) or 64 (AVX-512) columns
+  contiguous over k, so one pass streams the weight for up to 6 rows (MKL's sgemm reads it far below the memory
+  bandwidth at a few rows). Sums run in another order than MKL (~1e-6 relative).
+- bf16 on a CPU with AVX512-BF16, up to BF16_GEMM_MAX_ROWS rows: its bf16 twin (csrc/small_gemm_bf16.c, vdpbf16ps,
+  fp32 accumulation, the output rounded once). With TLT_BF16_AMX=1 (opt-in, docs/design.md §9) the same call runs
+  on AMX's tile unit for the whole process, never mixed with vdpbf16ps (their last bits differ);
+  ONEDNN_MAX_CPU_ISA without AMX keeps it off; `bf16_amx(on)` sets it inside a block.
+- bf16 otherwise: a oneDNN-prepacked weight, bit-identical to F.linear. fp32 under backend("onednn"): oneDNN's.
 - otherwise, and always under autograd: F.linear.
-A packed copy is keyed by the weight's identity and version counter: an optimizer step or load_state_dict bumps
-the version, and the next call packs again, so a packed copy is never stale. `backend(name)` forces one path
-(tests compare them; benchmarks can time them); "fused" forces the fused layer below (and small_gemm), "small_gemm"
-keeps the op-by-op layer.
+Contract: the small-row kernels' rows do not depend on the batch, bit for bit (the invariant rule's seeded equality,
+§7, relies on it); a prefetch of the next panel (`prefetch_min_rows`, by CPU vendor) changes no bit. A packed copy is
+keyed by the weight's identity and version counter, so an optimizer step or load_state_dict repacks it: never stale.
+`backend(name)` forces one path (tests compare them); "fused" forces the fused layer below, "small_gemm" the
+op-by-op layer.
 
-`decode_layer`: a whole decoder layer for a few new tokens per row (decode, SD verification, drafting) in one call
-(csrc/decode_layer.c) where the small-row kernel serves fp32: norms, qkv, rotary, the KV-cache write, attention,
-o-proj, MLP and residuals, with the same matmul and attention kernels as the op-by-op path. At one row the op-by-op
-layer spent ~40% of a SmolLM2 decode step in per-op overhead; one AVX2 EPYC, 2 threads, decode step at bs 1 / 4 /
-16 / 64: 49 / 65 / 112 / 230 ms -> 34 / 45 / 84 / 204 ms. bf16 models on AVX512-BF16 CPUs get the same layer over
-bf16 weights and KV cache (fp32 between the matmuls, so it is closer to fp32 than torch's bf16 ops, tested); SmolLM2
-bf16 decode, Zen 4 EPYC, two threads, bs 1 / 4 / 16 / 64: 38 / 140 / 337 / 494 -> 89 / 258 / 463 / 571 tok/s.
-
-`small_query_attention`: attention for a few new tokens per row against a KV cache (decode and verification).
-In fp32 on CPU: tlt's kernel (csrc/cached_attention.c, built with the matmul kernel), which reads each row's own
-keys only; measured on one AVX2 EPYC core at 16 rows, 3 KV heads of 64: 0.27 ms a layer at 150 keys in a
-384-key cache vs 0.97 ms for torch, 0.47 vs 15.4 ms in a 4352-key cache. Otherwise two batched matmuls over the
-cache's whole capacity, like transformers' eager attention (scores in the model dtype, softmax in fp32); torch's
-CPU SDPA kernel is tuned for long queries, and at T = 1 it is 3-6x slower than this.
+`decode_layer`: a whole decoder layer for a few new tokens per row (decode, verification, drafting) in one call
+(csrc/decode_layer.c): norms, qkv, rotary, the KV-cache write, attention, o-proj, MLP and residuals, with the same
+kernels as the op-by-op path, over fp32 or bf16 weights (fp32 between the matmuls); per-op overhead was ~40% of a
+one-row step. `small_query_attention`: attention of a few new tokens per row that reads each row's own keys
+(csrc/cached_attention.c) in fp32; otherwise two batched matmuls over the cache (softmax in fp32). Measured
+speedups: docs/design.md §9 and docs/results/README.md.
 """
 from __future__ import annotations
 

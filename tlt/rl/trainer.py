@@ -2,40 +2,24 @@
 
     tlt train                                          # the out-of-the-box run: tlt/configs/default.yaml
     tlt train configs/smoke.yaml                       # one-minute run on a tiny random model (no downloads)
-    tlt train configs/smoke.yaml rollout.n=8 trainer.total_steps=4
     torchrun --nproc_per_node 2 -m tlt train configs/smoke.yaml      # data parallel (gloo on CPU, NCCL on GPU)
     tlt train CONFIG trainer.placement=colocated trainer.n_gpus_per_node=8   # ranks as Ray actors on a placement
 
 One step, as `fit()` reads: take data.train_batch_size prompts (each data-parallel rank rolls out its share),
-sample rollout.n responses per prompt, score them, compute GRPO advantages, take the old log-probs, run
-actor.ppo_epochs x mini-batches of updates, log, validate and checkpoint when due.
-
-The trainer keeps fp32 master weights (model.dtype=auto means float32 here: AdamW updates of ~1e-6 vanish in
-bf16 weights); actor.bf16_autocast speeds up its forward/backward where bf16 is fast (GPU, or CPUs with native
-bf16). The rollout engine decodes rollout.dtype: by default (auto) a bf16 copy where bf16 is fast, as verl rolls
-out fp32 master weights in bf16, refreshed after every update; elsewhere (or with rollout.dtype=float32) the very
-Decoder the optimiser updates, shared, whose log-probs are then the old policy's (verl's old_log_prob) up to kernel
-rounding. The old log-probs of the update's first mini-batch are its own forward's, detached
-(actor.on_policy_logprobs: the policy has not moved yet, so no separate pass is needed); those of later
-mini-batches are recomputed by the trainer when the engine decodes a copy (or rollout.recompute_logprobs), else
-the engine's. rollout/logprob_max_diff logs the engine's distance from the trainer's.
-
-Outputs go to <trainer.default_local_dir>/<project_name>/<experiment_name>/: metrics.jsonl (step 0 = held-out
-accuracy before training), response_lengths.jsonl, tensorboard/, global_step_N/ checkpoints (tlt.rl.checkpoint,
-with the online drafter in drafter/); trainer.resume=auto resumes the newest complete one exactly. At the end `tlt
-train` times the next step's rollout (fresh prompts and seeds) with SD off and on (sd_compare.json) and writes
-report.html (tlt.rl.run_summary).
+sample rollout.n responses per prompt, score them, compute advantages, take the old log-probs, run
+actor.ppo_epochs x mini-batches of updates, log, validate and checkpoint when due (docs/design.md §10).
+The trainer keeps fp32 master weights; the engine decodes rollout.dtype (auto: a bf16 copy where bf16 is fast,
+refreshed after every update; else the very Decoder the optimiser updates). Old log-probs: the first mini-batch's
+own forward, detached (actor.on_policy_logprobs); later ones recomputed when the engine decodes a copy, else the
+engine's (the target's). Losses are normalised by global token counts, so N ranks take the step one process takes.
 With eagle SD and one rollout worker the drafter trains online in this process (tlt.drafter_train.online).
-model.path=tiny-random builds a tiny random Llama once (tlt.rl.tiny_model); model.path=null is the default
-SmolLM2 model. Under torchrun each rank rolls out train_batch_size / world_size prompts; gradients are summed
-over ranks with losses normalised by global token counts, so N ranks take the same step as one process.
-With actor.strategy=fsdp (under torchrun) the policy and the reference model are FSDP2 shards, each rank reading only
-its rows of the checkpoint (tlt.rl.fsdp.load_sharded_model); each rank's engine decodes its own full copy, built and
-refreshed from the shards layer by layer (tlt.rl.weight_sync, docs/design.md §12), and checkpoints add the shards
-of the weights and AdamW state (tlt.rl.sharded_checkpoint).
-With trainer.placement the ranks are Ray actors on a placement group (tlt.rl.launch, tlt.workers.trainer_group) and
-rank 0 rolls out every rank's prompts on the placed replicas (docs/design.md §13); disaggregated, a rank's own
-engine copy stays in host memory and rank 0 validates on the replicas.
+model.path=null is the default SmolLM2 model; model.path=tiny-random builds a tiny random Llama once.
+actor.strategy=fsdp: FSDP2 shards, each rank reading only its rows of the checkpoint; each rank's engine copy is
+refreshed from the shards unit by unit (tlt.rl.weight_sync, §12). trainer.placement: the ranks are Ray actors and
+rank 0 rolls out every rank's prompts on the placed replicas (tlt.rl.launch, tlt.workers.trainer_group, §13).
+Outputs go to <trainer.default_local_dir>/<project_name>/<experiment_name>/: metrics.jsonl (step 0 = held-out
+accuracy before training), response_lengths.jsonl, tensorboard/, global_step_N/ checkpoints (tlt.rl.checkpoint;
+trainer.resume=auto resumes the newest complete one exactly), sd_compare.json and report.html (tlt.rl.run_summary).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Exact (lossless) verification of a batch of draft trees (docs/design.md §7).
+"""Exact (lossless) verification of a batch of draft trees (docs/design.md §7, which gives the argument).
 
 Letters: p = TARGET probability (transform_logits of the target's logits: the very distribution plain sampling
 draws from), q = DRAFT probability (the distribution a stochastic draft token was actually drawn from).
@@ -14,23 +14,14 @@ Tree layout, per row b (a chain is a tree whose nodes have one child each):
                         vocabulary (scatter a reduced draft vocabulary back with d2t; zero elsewhere)
 Children of a node are tried in node-index order.
 
-Deterministic drafts (argmax / top-k children; no q needed): at the current node draw u ~ U(0,1) and sample the
-target's token x from p by inverse CDF in vocabulary order, the very draw plain decoding makes
-(tlt.engine.sampler.sample_from); if a child holds x, accept it (the first such child) and descend, else emit x and
-stop; a node without children (full depth) emits x as the bonus token. Every emitted token is then a draw from p,
-and each takes exactly one u from the row's source, in order, as in plain decoding: a seeded request yields the
-same tokens with speculation on or off, whatever the drafter proposes (drafter-invariant sampling). The chance to
-accept is the children's target mass, as for any exact rule with deterministic drafts. One-hot (greedy) rows
-reduce to argmax matching.
-
-Stochastic drafts: Leviathan/Chen: accept child x with probability min(1, p(x)/q(x)) (tested as u * q(x) < p(x),
-so q(x) = 0 never divides), else continue with the residual norm(max(0, p - q)). With several children per node
-(siblings drawn i.i.d. WITH replacement from the same q) this is SpecInfer's recursive rejection sampling: each
-next sibling is tested against the residual left by the previous rejection; after the last rejection we draw from
-the final residual. Exact only if q is the distribution the drafts were really drawn from, and siblings i.i.d.
-
-Uniform draws come from per-row sources (a seeded request alone decides its tokens): pass a list of
-torch.Generator (None = global RNG) or a function rows [R] -> u [R] in [0, 1).
+Deterministic drafts (no q): at the current node draw u ~ U(0,1), take the target's token x = sample_from(p, u) (the
+draw plain decoding makes); accept the first child holding x and descend, else emit x and stop (at a leaf x is the
+bonus token). Each emitted token takes one u from the row's source, in order, so a seeded request yields the same
+tokens with speculation on or off, whatever the drafter proposes. Greedy rows reduce to argmax matching.
+Stochastic drafts (Leviathan/Chen; SpecInfer's recursive form for i.i.d. siblings): accept child x if
+u * q(x) < p(x), else continue with the residual norm(max(0, p - q)); after the last rejection draw from it. Exact
+only if q is the distribution the drafts were really drawn from.
+Uniforms come from per-row sources: a list of torch.Generator (None = global RNG) or a function rows [R] -> u [R].
 """
 from __future__ import annotations
 

@@ -4,31 +4,21 @@
     rollout = SpotRollout(model_dir, num_replicas=2, replica_cfg=ReplicaConfig(speculative={"method": "eagle"}))
     outputs, report = rollout.run_step([(group_id, prompt_ids), ...], sampling_params, rl_step)
 
-The only Ray file of the rollout path: the actor is `ray.remote(RolloutReplica)` as it is (threaded, max_concurrency
-> 1, so stop_training and set_drafter reach it while it trains or generates); this driver turns actor replies into
-SpotCoordinator events and the coordinator's actions into actor calls:
-- AssignGroups -> generate_groups (a replica returns when its share is done; its groups then count as done);
+The only Ray file of the rollout path: the actor is `ray.remote(RolloutReplica)` as it is (threaded, so
+stop_training and set_drafter reach it while it trains or generates); this driver turns actor replies into
+SpotCoordinator events and the coordinator's actions into actor calls (docs/design.md §5):
+- AssignGroups -> generate_groups (a replica returns when its share is done);
 - StartTraining -> train_drafter (at most `session_steps` steps), StopTraining -> stop_training (the LAST replica
   finished: preempt after the current drafter step);
-- PublishDrafter -> fetch the trained weights once, ray.put them, set_drafter on every live replica. A session
-  ends after `session_steps` steps too, so replicas still in their long tail get the new drafter MID-ROLLOUT (the
-  engine swaps it in between decode steps; exactness does not depend on the drafter). A session whose weights
-  lower held-out accuracy is rolled back on its replica and published as nothing (coordinator publish=False).
-- A replica whose generate call runs past SpotConfig.replica_timeout_s (rollout.replica_timeout_s: hung, not
-  dead) is killed and handled like a dead one (SpotReport.timed_out_replicas counts it).
-- A drafter session that raises (the replica itself alive) publishes nothing: the rollout goes on with the last
-  published drafter, the replica's training copy goes back to it, SpotReport.failed_sessions counts it.
-- An actor error (ray.kill, node loss) -> replica_died: its unfinished groups go to other replicas and are rerun
-  from scratch with the same per-request seeds: samples from the same distribution (token-identical for greedy
-  decoding; at temperature > 0 speculative sampling is exact in distribution, and which tokens a seed gives
-  depends on the drafts, hence on the drafter version and batch).
-
-Hidden-state buffers stay where they were produced: each replica trains on its own buffer. Gathering would move
-~H * 2 bytes per generated token (8 KiB for H = 4096, GBs per step) between nodes for a session that only runs
-while the long tail lasts; the round-robin split gives every replica a similar mix of prompts, and the buffer's
-one-step offset sampling adds the previous step's long responses, which this replica also produced. Only the
-drafter weights (one layer) travel. AdamW state stays with the replica that trained (a session on another replica
-starts from the published weights with its own moments).
+- PublishDrafter -> fetch the trained weights once, ray.put them, set_drafter on every live replica, also
+  mid-rollout (exactness does not depend on the drafter). A session that lowers held-out accuracy is rolled back
+  and publishes nothing; so does one that raises (SpotReport.failed_sessions).
+- A replica past rollout.replica_timeout_s is killed and handled as dead (SpotReport.timed_out_replicas); a dead
+  one's unfinished groups are rerun elsewhere with the same per-request seeds (the same law; token-identical for
+  greedy decoding).
+Hidden-state buffers stay where they were produced, and each replica trains on its own: gathering them would move
+~2H bytes per generated token between nodes, while only the drafter's weights (one layer) need to travel. AdamW
+state stays with the replica that trained.
 """
 from __future__ import annotations
 
