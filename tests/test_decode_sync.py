@@ -92,26 +92,28 @@ def test_the_read_free_path_samples_the_same_tokens(matmuls):
         ref = ids, target_logprobs(logits, t, ids)
     for ids, lps in got.values():
         assert torch.equal(ids, ref[0]) and torch.equal(lps, ref[1])
-    assert sampler.read_sampled(*got[True]) == (ref[0].tolist(), ref[1].tolist())
+    for packed in (False, True):  # the CPU's two reads, and the one read made off the CPU
+        assert sampler.read_sampled(*got[True], packed=packed) == (ref[0].tolist(), ref[1].tolist())
 
 
-def test_rows_on_device_are_the_host_lists():
-    """One packed copy gives the dtypes and values four torch.tensor copies give (top_k clamped to the vocabulary,
+@pytest.mark.parametrize("packed", [False, True])  # the CPU's tensors, and the one copy made off the CPU
+def test_rows_on_device_are_the_host_lists(packed):
+    """The rows' tensors have the dtypes and values four torch.tensor calls give (top_k clamped to the vocabulary,
     as transform_logits clamps it): temperatures and top_p rounded once to fp32, uniforms kept bit for bit."""
     _, temp, top_k, top_p, u = _batch()
-    rows = sampler.rows_on_device(temp, top_k, top_p, u, 300, "cpu")
+    rows = sampler.rows_on_device(temp, top_k, top_p, u, 300, "cpu", packed)
     expected = (torch.tensor(temp), torch.tensor([min(k, 300) for k in top_k]), torch.tensor(top_p), u)
     for got, want in zip((rows.temperature, rows.top_k, rows.top_p, rows.u), expected):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 def test_each_row_draws_once_from_its_own_generator(tiny_llama_dir):
-    """A decode step's sampled rows each take their generator's next uniform, in any batch order: the ids equal
-    the draw at `torch.rand(1, generator=...)` of a copy of each row's generator (the draw SD's verification
-    takes), and each generator advanced by exactly one draw. Control: the same rows drawn with their uniforms
-    shifted by one row give other ids."""
+    """A decode step's sampled rows each take their own generator's next uniform: the ids equal the draw at
+    `torch.rand(1, generator=...)` of a copy of each row's generator (the draw SD's verification takes), and each
+    generator advanced by exactly one draw. Control: the same rows drawn with their uniforms shifted by one row give
+    other ids."""
     llm = tlt.LLM(tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=4)
-    seqs = _running(llm, MIXED)[::-1]
+    seqs = _running(llm, MIXED)
     logits, _ = llm.engine.decode_forward(seqs)
     states = [s.generator.get_state() for s in seqs]
     ids, _ = llm.engine.sample(seqs, logits)
@@ -147,5 +149,5 @@ def test_plain_decode_step_does_not_sync_on_gpu(tiny_llama_dir, rows, eager):
             ids.tolist()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    tokens, logprobs = sampler.read_sampled(ids, lps)
-    assert len(tokens) == len(logprobs) == len(seqs) and all(0 <= t < llm.model.cfg.vocab_size for t in tokens)
+    assert sampler.read_sampled(ids, lps) == (ids.tolist(), lps.tolist())
+    assert all(0 <= t < llm.model.cfg.vocab_size for t in ids.tolist())

@@ -42,15 +42,18 @@ class DeviceRows:
 
 
 def rows_on_device(temperature: list[float], top_k: list[int], top_p: list[float], u: torch.Tensor,
-                   vocab_size: int, device) -> DeviceRows:
-    """The rows' parameters and uniforms u [N] fp32 (host) -> DeviceRows in one host-to-device copy, pinned and
-    non-blocking on CUDA (tlt.device.host_tensor). They travel as fp64, which holds every value exactly (top_k
-    clamped to the vocabulary first, which transform_logits does anyway), and are cast back on the device: the same
-    values as four torch.tensor copies."""
-    packed = torch.empty(4, len(temperature), dtype=torch.float64)
-    packed[:3] = torch.tensor([temperature, [min(k, vocab_size) for k in top_k], top_p], dtype=torch.float64)
-    packed[3] = u
-    t, k, p, x = host_tensor(packed, device).unbind(0)
+                   vocab_size: int, device, packed: bool | None = None) -> DeviceRows:
+    """The rows' parameters and uniforms u [N] fp32 (host) -> DeviceRows, top_k clamped to the vocabulary (as
+    transform_logits clamps it). packed (default: off the CPU, where there is a copy to make): in one host-to-device
+    copy, pinned and non-blocking on CUDA (tlt.device.host_tensor), as fp64, which holds every value exactly, cast
+    back on the device. Either way the values four torch.tensor calls give."""
+    top_k = [min(k, vocab_size) for k in top_k]
+    if not (torch.device(device).type != "cpu" if packed is None else packed):
+        return DeviceRows(torch.tensor(temperature), torch.tensor(top_k), torch.tensor(top_p), u)
+    both = torch.empty(4, len(temperature), dtype=torch.float64)
+    both[:3] = torch.tensor([temperature, top_k, top_p], dtype=torch.float64)
+    both[3] = u
+    t, k, p, x = host_tensor(both, device).unbind(0)
     return DeviceRows(t.float(), k.long(), p.float(), x.float())
 
 
@@ -64,9 +67,13 @@ def sample(logits: torch.Tensor, rows: DeviceRows, host: HostRows,
     return ids, target_logprobs(logits, rows.temperature, ids, static)
 
 
-def read_sampled(ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-    """ids [N] and their log-probs [N] -> host lists, in one read of the device (the step's only one)."""
-    both = torch.stack([ids.to(torch.float64), logprobs.to(torch.float64)]).tolist()  # fp64 holds both exactly
+def read_sampled(ids: torch.Tensor, logprobs: torch.Tensor,
+                 packed: bool | None = None) -> tuple[list[int], list[float]]:
+    """ids [N] and their log-probs [N] -> host lists. packed (default: off the CPU, where a read waits for the
+    device): in one read (the step's only one), both as fp64, which holds them exactly."""
+    if not (ids.device.type != "cpu" if packed is None else packed):
+        return ids.tolist(), logprobs.tolist()
+    both = torch.stack([ids.to(torch.float64), logprobs.to(torch.float64)]).tolist()
     return [int(t) for t in both[0]], both[1]
 
 
