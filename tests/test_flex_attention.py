@@ -1,7 +1,11 @@
 """The flex attention backend (tlt.models.flex) computes what the sdpa path computes: decode, chain and tree
 verification at mixed per-row cache lengths, and greedy decoding through the engine. On CPU flex runs eagerly."""
+import warnings
+
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tlt
 import tlt.models.flex as flex
@@ -56,14 +60,15 @@ CASES = {"decode": (1, False, 0), "chain": (4, False, 0), "tree": (9, True, 0), 
          "tree_past_small_query": (40, True, 0)}
 
 
+@pytest.mark.parametrize("lens", [LENS, [8100, 5, 4100]], ids=["short", "8k"])
 @pytest.mark.parametrize("case", CASES)
-def test_flex_matches_sdpa(model, case):
+def test_flex_matches_sdpa(model, case, lens):
     T, tree, S = CASES[case]
     mask = None
     if tree:
-        mask = _random_tree(len(LENS), S + T)[:, S:]  # [B, T, S + T]: the last T nodes of an S + T node tree
-    ref = _logits(model, "sdpa", LENS, T, mask, S)
-    got = _logits(model, "flex", LENS, T, mask, S)
+        mask = _random_tree(len(lens), S + T)[:, S:]  # [B, T, S + T]: the last T nodes of an S + T node tree
+    ref = _logits(model, "sdpa", lens, T, mask, S)
+    got = _logits(model, "flex", lens, T, mask, S)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
@@ -85,6 +90,119 @@ def test_a_wrong_tree_changes_the_logits(model):
     ref = _logits(model, "sdpa", LENS, 9, tree)
     wrong = _logits(model, "flex", LENS, 9, torch.ones_like(tree))
     assert (wrong - ref).abs().max() > 1e-3
+
+
+def _visible(bm, T: int, cap: int) -> torch.Tensor:
+    """What a block-sparse kernel lets each query see under BlockMask `bm`, [B, T, cap] bool: every key of the
+    query's full blocks, and the keys of its partial blocks where mask_mod holds (the eager CPU implementation
+    evaluates mask_mod everywhere and ignores the blocks, so this is the check of the layout on CPU)."""
+    B, nk = bm.kv_indices.shape[0], bm.kv_indices.shape[-1]
+
+    def listed(num, idx):  # [B, 1, nq, nk] counts / indices -> [B, T, cap]: keys in a listed block
+        on = (torch.arange(idx.shape[-1]) < num[..., None]).to(torch.int32)
+        blocks = torch.zeros(*idx.shape[:-1], nk, dtype=torch.int32).scatter_add_(-1, idx.long(), on)[:, 0] > 0
+        return blocks.repeat_interleave(flex.BLOCK, 1)[:, :T].repeat_interleave(flex.BLOCK, 2)[:, :, :cap]
+    b, q, kv = torch.arange(B)[:, None, None], torch.arange(T)[None, :, None], torch.arange(cap)[None, None, :]
+    full = listed(bm.full_kv_num_blocks, bm.full_kv_indices) if bm.full_kv_num_blocks is not None else False
+    return full | (listed(bm.kv_num_blocks, bm.kv_indices) & bm.mask_mod(b, 0, q, kv))
+
+
+def _dense_truth(lens, tree, T, cap):
+    """The sdpa path's mask over the whole capacity (decoder.cache_mask of a static view) [B, T, cap]."""
+    from tlt.models.decoder import CacheView, cache_mask
+    B = lens.shape[0]
+    view = CacheView([torch.empty(B, 1, cap, 1)], [torch.empty(B, 1, cap, 1)], lens, 0, tree, static=True)
+    return cache_mask(view, T, "cpu")[0][:, 0]
+
+
+LONG_LENS = [1, 127, 128, 129, 700, 4095, 4096, 8100, 8191 - 64]  # block edges, and contexts up to 8k
+MASK_CASES = {"decode": (1, 0), "chain": (4, 0), "tree": (9, 0), "tree_after_spec": (5, 3), "widest": (64, 0)}
+
+
+@pytest.mark.parametrize("case", MASK_CASES)
+@pytest.mark.parametrize("cap", [8192, 8300])  # a capacity of whole blocks, and one ending in a partial block
+def test_block_mask_from_lengths_is_the_dense_mask(case, cap):
+    """The block mask built from the lengths lets each query see exactly the keys the sdpa path's mask does (and
+    create_block_mask's mask does), at contexts up to 8k; rows past their keys skip every later block."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    T, S = MASK_CASES[case]
+    lens = torch.tensor(LONG_LENS)
+    tree = _random_tree(len(LONG_LENS), S + T)[:, S:] if case.startswith("tree") else None
+    truth = _dense_truth(lens, tree, T, cap)
+    bm = flex.block_mask(lens, tree, T, cap)
+    assert torch.equal(_visible(bm, T, cap), truth)
+    if case in ("decode", "tree_after_spec"):  # today's mask (dense mask_mod evaluation), where it is quick
+        full_tree = None if tree is None else tree.expand(len(LONG_LENS), T, S + T)
+        old = create_block_mask(flex.cache_mask_mod(lens, full_tree, S, T),
+                                len(LONG_LENS), None, T, cap, device="cpu")
+        assert torch.equal(_visible(old, T, cap), truth)
+    # the blocks wholly before a row's length are full (the kernel runs no mask_mod there); one to the new keys' end
+    assert bm.full_kv_num_blocks[:, 0, 0].tolist() == [n // flex.BLOCK for n in LONG_LENS]
+    listed = (bm.kv_num_blocks + bm.full_kv_num_blocks)[:, 0, 0]
+    assert listed.tolist() == [(n + S + T - 1) // flex.BLOCK + 1 for n in LONG_LENS]
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the most elements of any tensor an op makes."""
+    def __init__(self):
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.most = max(self.most, t.numel())
+        return out
+
+
+def test_building_the_block_mask_is_not_dense_work():
+    """The mask of 64 rows with 9 new tokens over 8k keys is built without a tensor of rows x tokens x keys (what
+    create_block_mask evaluates mask_mod over, each forward): its largest tensor has a row's block count per row."""
+    lens, T, cap = torch.arange(64) * 127 + 3, 9, 8192
+    with _LargestTensor() as seen:
+        flex.block_mask(lens, None, T, cap)
+    assert seen.most <= 64 * cap // flex.BLOCK
+
+
+def test_a_block_mask_off_by_one_is_caught():
+    """Controls for the layout check: one key too many per row (mask_mod and blocks), one full block too many (a
+    block whose later keys no query may see, read without mask_mod) and one partial block too few each change what
+    the queries see."""
+    from torch.nn.attention.flex_attention import BlockMask
+    lens, T, cap = torch.tensor(LONG_LENS), 1, 8300
+    truth = _dense_truth(lens, None, T, cap)
+    wide = _visible(flex.block_mask(lens, None, T, cap, extra_keys=1), T, cap)
+    assert all(not torch.equal(wide[b], truth[b]) for b in range(len(LONG_LENS)))
+    bm = flex.block_mask(lens, None, T, cap)
+    for full, partial in ((1, 0), (0, -1)):
+        wrong = BlockMask.from_kv_blocks(bm.kv_num_blocks + partial, bm.kv_indices, bm.full_kv_num_blocks + full,
+                                         bm.full_kv_indices, BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=bm.mask_mod,
+                                         seq_lengths=bm.seq_lengths, compute_q_blocks=False)
+        assert not torch.equal(_visible(wrong, T, cap), truth)
+
+
+@pytest.mark.slow
+def test_compiled_flex_on_cpu_reads_the_block_layout():
+    """torch.compile's flex kernel on CPU is block-sparse as CUDA's is (full blocks without mask_mod, unlisted blocks
+    unread; about a minute of compiling): under the mask built from the lengths it gives the eager output at
+    contexts up to 8k, and one full block too many (keys no query may see) changes it."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    g = torch.Generator().manual_seed(0)
+    lens, cap = torch.tensor([3, 700, 4100, 8100]), 8192
+    q, k, v = torch.randn(4, 4, 1, 16, generator=g), torch.randn(4, 2, cap, 16, generator=g), \
+        torch.randn(4, 2, cap, 16, generator=g)
+    bm = flex.block_mask(lens, None, 1, cap)
+    wrong = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks + 1, bm.full_kv_indices,
+                                     BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=bm.mask_mod, seq_lengths=bm.seq_lengths,
+                                     compute_q_blocks=False)
+    compiled = torch.compile(flex_attention, dynamic=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        ref = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    torch.testing.assert_close(compiled(q, k, v, block_mask=bm, enable_gqa=True), ref, atol=1e-5, rtol=0)
+    off = (compiled(q, k, v, block_mask=wrong, enable_gqa=True) - ref).abs().amax(dim=(1, 2, 3))
+    assert (off[1:] > 1e-3).all()  # row 0's one block is its partial block already
 
 
 def test_block_mask_skips_blocks_past_each_row(model):
@@ -212,8 +330,8 @@ def test_flex_matches_sdpa_on_gpu(tiny_llama_dir):
 
 
 def test_attention_bench_smoke(capsys):
-    """`tlt bench attention` on CPU smoke sizes: a table and a JSON line with both backends per cell (numbers
-    unchecked: benchmarks assert nothing about speed)."""
+    """`tlt bench attention` on CPU smoke sizes: a table and a JSON line with both backends' tok/s and mask-building
+    cost per cell (numbers unchecked: benchmarks assert nothing about speed)."""
     import json
     from tlt.bench import attention
     assert attention.main(["--models", "rand-tiny", "--contexts", "16,40", "--batch-sizes", "1,3", "--steps", "2",
@@ -221,6 +339,7 @@ def test_attention_bench_smoke(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["benchmark"] == "attention" and len(out["rows"]) == 4
     assert all(r["sdpa_tok_s"] > 0 and r["flex_tok_s"] > 0 for r in out["rows"])
+    assert all(r["sdpa_mask_us"] > 0 and r["flex_mask_us"] > 0 for r in out["rows"])  # the mask-building cost
     assert attention.row_lengths(700, 4, "spread") == [175, 350, 525, 700]
     with pytest.raises(SystemExit, match="bad option"):
         attention.parse_args(["--backends", "paged"])

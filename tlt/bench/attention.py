@@ -10,6 +10,8 @@ the work) and times `steps` decode forwards (the engine's runner: CUDA graphs on
 LM head included) from that context on. Layouts: equal = every row at the context; spread = row lengths evenly
 from context / bs up to the context (a rollout's long tail: the cache's capacity follows the longest row, and the
 sdpa path attends over all of it for every row). tok/s = bs * steps / median wall time; `speedup` = flex / sdpa.
+`mask_us`: microseconds a step spends building what the backend's forward builds before its layers (sdpa: the
+mask and bias over the capacity; flex: the block mask), timed alone, median over `steps` builds (part of tok/s).
 On CPU flex runs eagerly (every key scored, then masked): expect it slower there; the block-sparse kernel is
 compiled on CUDA only.
 """
@@ -29,6 +31,7 @@ import tlt
 from tlt.bench.common import print_json_line, print_table
 from tlt.bench.decode import RANDOM_MODELS
 from tlt.device import DTYPES, resolve_device
+from tlt.models.decoder import cache_mask, flex_plan
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -109,6 +112,26 @@ def time_decode(llm: tlt.LLM, lens: list[int], steps: int, repeats: int) -> list
     return times
 
 
+def time_mask(llm: tlt.LLM, lens: list[int], steps: int) -> float:
+    """Median microseconds of building the attention plan of one decode forward of rows at `lens` (the mask of the
+    backend the model runs), the device waited for at both ends."""
+    eng = llm.engine
+    dev = eng.device
+    view = eng.kv.view(torch.tensor(lens, device=dev), static=eng.runner.graphs is not None)
+    flex = eng.model.attention_backend == "flex"
+    times = []
+    with torch.inference_mode():
+        for _ in range(steps + 1):  # the first build warms up
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            flex_plan(view, 1, dev) if flex else cache_mask(view, 1, dev)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e6
+
+
 def bench(name: str, path: Path, args, device) -> list[dict]:
     rows = []
     max_len = max(args.context_list) + args.steps + 8
@@ -121,20 +144,23 @@ def bench(name: str, path: Path, args, device) -> list[dict]:
                 for bs in args.bs_list:
                     times = time_decode(llm, row_lengths(ctx, bs, layout), args.steps, args.repeats)
                     tps = bs * args.steps / statistics.median(times)
+                    mask_us = time_mask(llm, row_lengths(ctx, bs, layout), args.steps)
                     rows.append({"model": name, "layout": layout, "context": ctx, "bs": bs, "backend": backend,
-                                 "tok_s": tps, "times_s": [round(t, 4) for t in times]})
-                    print(f"  {name} {backend} {layout} ctx={ctx} bs={bs}: {tps:.1f} tok/s", flush=True)
+                                 "tok_s": tps, "mask_us": mask_us, "times_s": [round(t, 4) for t in times]})
+                    print(f"  {name} {backend} {layout} ctx={ctx} bs={bs}: {tps:.1f} tok/s, mask {mask_us:.0f} us",
+                          flush=True)
         del llm
     return rows
 
 
 def speedup_table(rows: list[dict]) -> list[dict]:
-    """One row per (model, layout, context, bs): each backend's tok/s and flex / sdpa."""
+    """One row per (model, layout, context, bs): each backend's tok/s and mask-building cost, and flex / sdpa."""
     cells: dict[tuple, dict] = {}
     for r in rows:
         c = cells.setdefault((r["model"], r["layout"], r["context"], r["bs"]),
                              {"model": r["model"], "layout": r["layout"], "context": r["context"], "bs": r["bs"]})
         c[f"{r['backend']}_tok_s"] = r["tok_s"]
+        c[f"{r['backend']}_mask_us"] = r["mask_us"]
     for c in cells.values():
         if c.get("sdpa_tok_s") and c.get("flex_tok_s"):
             c["speedup"] = c["flex_tok_s"] / c["sdpa_tok_s"]
@@ -158,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench(name, path, args, device)
     table = speedup_table(rows)
     print()
-    print_table(table, ["model", "layout", "context", "bs", "sdpa_tok_s", "flex_tok_s", "speedup"])
+    print_table(table, ["model", "layout", "context", "bs", "sdpa_tok_s", "flex_tok_s", "speedup", "sdpa_mask_us",
+                        "flex_mask_us"])
     load1 = os.getloadavg()
     print(f"load avg before/after: {load0[0]:.2f} / {load1[0]:.2f}")
     print_json_line("attention", {"device": where, "torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -83,6 +83,7 @@ class KVCache:
             t[r, :, d_] = t[r, :, s_]
 
     def view(self, cache_lens: torch.Tensor, slot_start: int = 0, tree_mask: torch.Tensor | None = None,
-             static: bool = False) -> CacheView:
-        """static: masks over the whole capacity, no host read of cache_lens (a CUDA graph's forward)."""
-        return CacheView(self.k, self.v, cache_lens, slot_start, tree_mask, static)
+             static: bool = False, max_len: int | None = None) -> CacheView:
+        """static: masks over the whole capacity, no host read of cache_lens (a CUDA graph's forward); max_len: the
+        largest of cache_lens, known on the host (an eager forward's mask then reads nothing either)."""
+        return CacheView(self.k, self.v, cache_lens, slot_start, tree_mask, static, max_len)

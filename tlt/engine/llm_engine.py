@@ -22,7 +22,7 @@ from tlt.engine.cuda_graph import GraphPool
 from tlt.engine.kv_cache import KVCache
 from tlt.engine.model_runner import ModelRunner
 from tlt.engine.params import SamplingParams
-from tlt.engine.sampler import greedy, sample_from, target_logprobs, transform_logits
+from tlt.engine.sampler import HostRows, greedy, read_sampled, rows_on_device, sample
 from tlt.engine.scheduler import Scheduler
 from tlt.engine.sequence import Sequence
 from tlt.models.decoder import Decoder
@@ -292,19 +292,24 @@ class LLMEngine:
 
     def sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor) -> list[Sequence]:
         """Sample one token per row from logits [B, V] (hidden [B, H] produced them), append it with its stop
-        rules; returns the sequences that finished."""
+        rules; returns the sequences that finished. The sampled ids are the step's one read of the device."""
+        tokens, logprobs = read_sampled(*self.sample(seqs, logits))
+        return self.append_tokens(seqs, [[t] for t in tokens], [[x] for x in logprobs], hidden[:, None])
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row from logits [B, V] -> (ids [B], their log-probs [B]) on the logits' device, nothing
+        read from it off the CPU (where a read waits for the device). Each row that samples takes one uniform from
+        its own generator, in row order (none when every row is greedy): the draws SD's verification takes too
+        (docs/design.md §7), so a seeded request gets the same tokens whatever shares its batch, SD on or off."""
+        static = logits.device.type != "cpu"
         if all(s.params.temperature == 0 for s in seqs):
-            ids, lps = greedy(logits)
-        else:
-            temp = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
-            top_k = torch.tensor([s.params.top_k for s in seqs], device=logits.device)
-            top_p = torch.tensor([s.params.top_p for s in seqs], device=logits.device)
-            probs = transform_logits(logits, temp, top_k, top_p)
-            u = torch.cat([torch.rand(1, generator=s.generator) for s in seqs]).to(logits.device)
-            ids = sample_from(probs, u)
-            lps = target_logprobs(logits, temp, ids)
-        return self.append_tokens(seqs, [[t] for t in ids.tolist()], [[x] for x in lps.tolist()],
-                                  hidden[:, None])
+            return greedy(logits, static)
+        temp, top_k, top_p = ([s.params.temperature for s in seqs], [s.params.top_k for s in seqs],
+                              [s.params.top_p for s in seqs])
+        u = torch.cat([torch.rand(1, generator=s.generator) for s in seqs])
+        V = logits.shape[-1]
+        return sample(logits, rows_on_device(temp, top_k, top_p, u, V, logits.device),
+                      HostRows.of(temp, top_k, top_p, V), static)
 
     def append_tokens(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list[float]],
                       hidden: torch.Tensor | list | None = None) -> list[Sequence]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tlt.device import host_tensor
 from tlt.engine.clock import WallClock
 from tlt.engine.cuda_graph import GraphedForward
 from tlt.engine.kv_cache import KVCache
@@ -86,9 +87,10 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """One token for each running sequence (rows = slots 0..B-1) -> (logits [B, V] fp32, hidden [B, H])."""
-        cached = self._tensor([s.num_cached for s in seqs])
-        ids = self._tensor([[s.last_token] for s in seqs])
-        hidden = self.cached_forward(ids, cached[:, None], cached, context=sum(s.num_cached for s in seqs))[:, 0]
+        # one copy, pinned and non-blocking on CUDA: a pageable one would wait for the device
+        cached, ids = host_tensor([[s.num_cached for s in seqs], [s.last_token for s in seqs]], self.device)
+        hidden = self.cached_forward(ids[:, None], cached[:, None], cached, context=sum(s.num_cached for s in seqs),
+                                     max_len=max(s.num_cached for s in seqs))[:, 0]
         for s in seqs:
             s.num_cached += 1
         return self.model.logits(hidden), hidden
@@ -96,16 +98,17 @@ class ModelRunner:
     @torch.inference_mode()
     def cached_forward(self, ids: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
                        tree_mask: torch.Tensor | None = None, nodes: torch.Tensor | None = None,
-                       context: int = 0) -> torch.Tensor:
+                       context: int = 0, max_len: int | None = None) -> torch.Tensor:
         """A few new tokens a row over the cache (decode, SD verification): ids, positions [B, T], lens [B] cached
         tokens before them, tree_mask [B, T, T] or None (causal) -> last hidden state [B, T, H]; through a captured
         graph where one serves. nodes [B, T] bool (eager forwards): the tokens needed; where the model computes them
         alone (Decoder.forward_nodes, the fused CPU layer) only those run, and the others' hidden states are zeros.
-        context: the cached tokens the rows read, summed (what the clock charges)."""
+        context: the cached tokens the rows read, summed (what the clock charges); max_len: max(lens), where the
+        caller knows it on the host (an eager forward then reads nothing of lens)."""
         self.clock.forward("target", *ids.shape, context)
         if self.graphs is not None and self.graphs.serves(*ids.shape):
             return self.graphs.forward(ids, positions, lens, tree_mask)
-        view = self.kv.view(lens, tree_mask=tree_mask)
+        view = self.kv.view(lens, tree_mask=tree_mask, max_len=max_len)
         if nodes is not None and (some := self.model.forward_nodes(ids, positions, view, nodes)) is not None:
             hidden = some.new_zeros(*ids.shape, some.shape[-1])
             hidden[nodes] = some

@@ -4,7 +4,9 @@ Order as in vLLM/HF: temperature, then top-k, then top-p. Rows with temperature 
 argmax, so greedy decoding and greedy verification are the same rule as sampling (u never exceeds 1).
 Sampling is by inverse CDF from a uniform draw per row, so a request's seeded generator alone decides its
 tokens, whatever else is in the batch, and whether speculative decoding is on (tlt.speculative.verify draws the
-same way; docs/design.md §7).
+same way; docs/design.md §7). A plain step's sampling reads nothing from the device before its one read of the
+sampled ids and log-probs (`sample` with static, `read_sampled`): the rows' facts come from the host (HostRows), their
+parameters and uniforms go to the device in one non-blocking copy (`rows_on_device`).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tlt.device import host_tensor
 from tlt.models.kernels import greedy_logprobs, token_logprobs
 
 
@@ -27,6 +30,51 @@ class HostRows:
     def of(cls, temperature: list[float], top_k: list[int], top_p: list[float], vocab_size: int) -> "HostRows":
         width = max(min(k if k > 0 else vocab_size, vocab_size) for k in top_k) if any(k > 0 for k in top_k) else None
         return cls(width, any(p < 1 for p in top_p), any(t <= 0 for t in temperature))
+
+
+@dataclass(frozen=True)
+class DeviceRows:
+    """The rows' sampling parameters on the device, in the dtypes torch.tensor gives their host lists."""
+    temperature: torch.Tensor  # [N] fp32 (0 = greedy)
+    top_k: torch.Tensor        # [N] int64 (<= 0 = off)
+    top_p: torch.Tensor        # [N] fp32 (1 = off)
+    u: torch.Tensor            # [N] fp32 the rows' uniform draws
+
+
+def rows_on_device(temperature: list[float], top_k: list[int], top_p: list[float], u: torch.Tensor,
+                   vocab_size: int, device, packed: bool | None = None) -> DeviceRows:
+    """The rows' parameters and uniforms u [N] fp32 (host) -> DeviceRows, top_k clamped to the vocabulary (as
+    transform_logits clamps it). packed (default: off the CPU, where there is a copy to make): in one host-to-device
+    copy, pinned and non-blocking on CUDA (tlt.device.host_tensor), as fp64, which holds every value exactly, cast
+    back on the device. Either way the values four torch.tensor calls give."""
+    top_k = [min(k, vocab_size) for k in top_k]
+    if not (torch.device(device).type != "cpu" if packed is None else packed):
+        return DeviceRows(torch.tensor(temperature), torch.tensor(top_k), torch.tensor(top_p), u)
+    both = torch.empty(4, len(temperature), dtype=torch.float64)
+    both[:3] = torch.tensor([temperature, top_k, top_p], dtype=torch.float64)
+    both[3] = u
+    t, k, p, x = host_tensor(both, device).unbind(0)
+    return DeviceRows(t.float(), k.long(), p.float(), x.float())
+
+
+def sample(logits: torch.Tensor, rows: DeviceRows, host: HostRows,
+           static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token a row from logits [N, V] fp32 -> (ids [N], their target log-probs [N]) on the logits' device:
+    transform_logits, the inverse-CDF draw at rows.u, target_logprobs. static: nothing read from the device (off the
+    CPU a read waits for every queued kernel); the same ids and log-probs."""
+    probs = transform_logits(logits, rows.temperature, rows.top_k, rows.top_p, host)
+    ids = sample_from(probs, rows.u, static)
+    return ids, target_logprobs(logits, rows.temperature, ids, static)
+
+
+def read_sampled(ids: torch.Tensor, logprobs: torch.Tensor,
+                 packed: bool | None = None) -> tuple[list[int], list[float]]:
+    """ids [N] and their log-probs [N] -> host lists. packed (default: off the CPU, where a read waits for the
+    device): in one read (the step's only one), both as fp64, which holds them exactly."""
+    if not (ids.device.type != "cpu" if packed is None else packed):
+        return ids.tolist(), logprobs.tolist()
+    both = torch.stack([ids.to(torch.float64), logprobs.to(torch.float64)]).tolist()
+    return [int(t) for t in both[0]], both[1]
 
 
 def transform_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -70,13 +118,14 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return first * block + blocks[torch.arange(N, device=logits.device), first].argmax(-1)
 
 
-def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy rows: (argmax(logits), target_logprobs(logits, 0, those ids)), in one kernel call on CPU."""
+def greedy(logits: torch.Tensor, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy rows: (argmax(logits), target_logprobs(logits, 0, those ids)), in one kernel call on CPU. static:
+    nothing read from the device."""
     fast = greedy_logprobs(logits)
     if fast is not None:
         return fast
     ids = argmax(logits)
-    return ids, target_logprobs(logits, torch.zeros(logits.shape[0], device=logits.device), ids)
+    return ids, target_logprobs(logits, torch.zeros(logits.shape[0], device=logits.device), ids, static)
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor, static: bool = False) -> torch.Tensor:

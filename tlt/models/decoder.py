@@ -37,6 +37,8 @@ class CacheView:
     tree_mask: torch.Tensor | None = None
     # True: masks span the whole capacity, with no read of cache_lens on the host (a CUDA graph's forward)
     static: bool = False
+    # the largest cache_lens when the host knows it: the eager mask's length without reading the device
+    max_len: int | None = None
 
 
 @dataclass
@@ -262,7 +264,7 @@ def cache_mask(cache: CacheView, T: int, device, fused: bool = False) -> tuple[t
     B = lens.shape[0]
     tree = cache.tree_mask
     S = 0 if tree is None else tree.shape[-1] - T
-    L = cache.k[0].shape[2] if cache.static else int(lens.max()) + S + T
+    L = cache.k[0].shape[2] if cache.static else (int(lens.max()) if cache.max_len is None else cache.max_len) + S + T
     rows = (torch.arange(B, device=device) + cache.slot_start)[:, None].expand(B, T)
     cols = lens[:, None] + S + torch.arange(T, device=device)  # [B, T] cache positions of the new tokens
     key = torch.arange(L, device=device)

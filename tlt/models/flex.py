@@ -2,9 +2,10 @@
 
 The default (sdpa) path attends over the cache's whole capacity under a bias (small_query_attention) or over the
 longest row's length under a mask: every row pays for the longest. Here the same mask is a FlexAttention
-`mask_mod` read from per-row length tensors; `create_block_mask` turns it into a block-sparse mask, so a compiled
-kernel (CUDA) skips the key blocks past each row's own cached length + its S + T speculative / new keys. On CPU
-flex_attention runs eagerly (unfused, every key scored then masked): the same numbers, for tests, not speed.
+`mask_mod` read from per-row length tensors, and its block-sparse layout is computed from those lengths directly
+(`block_mask`, once a forward, shared by every layer), so a compiled kernel (CUDA) skips the key blocks past each
+row's own cached length + its S + T speculative / new keys. On CPU flex_attention runs eagerly (unfused, every key
+scored then masked by mask_mod, the block layout unused): the same numbers, for tests, not speed.
 See docs/design.md §15.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 BACKENDS = ("auto", "sdpa", "flex")
 FLEX_MAX_QUERY = 64  # new tokens per row up to which a cached forward uses flex (prefill chunks stay on sdpa)
+BLOCK = 128  # keys (and queries) a block of the block mask: FlexAttention's default sparse block
 
 _compiled = None
 
@@ -40,15 +42,31 @@ def cache_mask_mod(lens: torch.Tensor, tree: torch.Tensor | None, S: int, T: int
 
 
 def block_mask(lens: torch.Tensor, tree: torch.Tensor | None, T: int, capacity: int, extra_keys: int = 0):
-    """The BlockMask of B rows (lens [B] cached tokens each) with T new tokens over `capacity` keys.
-    extra_keys > 0 widens every row's visible prefix by that many keys: a deliberately wrong mask (tests' control)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-    B = lens.shape[0]
+    """The BlockMask of B rows (lens [B] cached tokens each) with T new tokens over `capacity` keys, computed from
+    the lengths by a few [B, capacity / 128] tensor ops: no mask_mod evaluated over B x T x capacity, no host read,
+    static shapes (built inside a captured graph). Per row, the key blocks wholly before lens[b] are full (every
+    query sees all their keys: the kernel skips mask_mod there); the blocks holding keys lens[b] .. lens[b] + S + T - 1
+    are partial (mask_mod decides each key); the rest are skipped. Every query block lists the same blocks (a
+    superset where T spans several). extra_keys > 0 widens every row's visible prefix by that many keys: a
+    deliberately wrong mask (tests' control)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    B, dev = lens.shape[0], lens.device
     S = 0 if tree is None else tree.shape[-1] - T
     if tree is not None:
         tree = tree.expand(B, T, S + T)
     seen = lens + extra_keys
-    return create_block_mask(cache_mask_mod(seen, tree, S, T), B, None, T, capacity, device=lens.device)
+    num_kv, num_q = -(-capacity // BLOCK), -(-T // BLOCK)
+    blocks = torch.arange(num_kv, dtype=torch.int32, device=dev)
+    full = (seen // BLOCK).to(torch.int32)                                       # [B] blocks before lens[b]
+    last = ((seen + S + T - 1) // BLOCK).to(torch.int32).clamp(max=num_kv - 1)  # [B] the last block with a new key
+    partial = (full[:, None] + blocks).clamp(max=num_kv - 1)  # [B, num_kv]: the first last - full + 1 are listed
+
+    def per_query_block(x: torch.Tensor) -> torch.Tensor:  # [B, ...] -> [B, 1, num_q, ...]
+        return x.view(B, 1, 1, *x.shape[1:]).expand(B, 1, num_q, *x.shape[1:]).contiguous()
+    return BlockMask.from_kv_blocks(per_query_block(last - full + 1), per_query_block(partial),
+                                    per_query_block(full), per_query_block(blocks.expand(B, num_kv)),
+                                    BLOCK_SIZE=BLOCK, mask_mod=cache_mask_mod(seen, tree, S, T),
+                                    seq_lengths=(T, capacity), compute_q_blocks=False)
 
 
 def flex_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
