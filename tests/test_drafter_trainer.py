@@ -157,6 +157,55 @@ def test_a_spot_round_yields_to_the_update_and_finishes_after_it(tiny_llama_dir,
     assert trained == planned and during_update > 0  # control
 
 
+def test_a_spot_round_trains_the_same_drafter_wherever_the_update_lands(tiny_llama_dir, tmp_path, monkeypatch):
+    """A spot round reads the target's embedding and LM head as they were when it started (TargetSnapshot), so the
+    drafter it trains is bitwise the same whether the update lands before its first drafter step or after its last:
+    a killed and resumed run trains what an uninterrupted one does. Control: attached to the live target, the two
+    differ."""
+    import tlt
+    import tlt.drafter_train.online as online
+    from tlt.config import DrafterTrainConfig
+    from tlt.speculative.drafter import Drafter
+    from tlt.speculative.drafter_io import save_drafter
+
+    plain = tlt.LLM(tiny_llama_dir, dtype="float32")
+    drafter_dir = save_drafter(Drafter(plain.engine.model.cfg), tmp_path / "d")
+    llm = tlt.LLM(tiny_llama_dir, dtype="float32", speculative_config={"method": "eagle", "model": str(drafter_dir)})
+    cfg = DrafterTrainConfig(min_buffer_tokens=0, batch_tokens=64, window_len=16, holdout_fraction=0.0,
+                             compare_drafters=True)
+    outs = plain.generate([[3, 5, 7, 9]] * 8, tlt.SamplingParams(temperature=1.0, max_tokens=40, seed=1,
+                                                               return_hidden_states=True, ignore_eos=True))
+    target = llm.engine.model
+    weights = {k: v.detach().clone() for k, v in target.state_dict().items()}
+    start = {k: v.clone() for k, v in llm.spec.drafter.trainable_state_dict().items()}
+
+    def round_(update_first: bool) -> dict[str, torch.Tensor]:
+        target.load_state_dict(weights)
+        llm.spec.load_drafter_state(start)
+        hook = online.OnlineDrafterHook(cfg, llm.spec, spot=True)
+        hook.add_outputs(1, outs)
+        hook.last_step = 1
+        hook.new_tokens *= 10  # tens of drafter steps
+        hook.before_rollout(2)
+        if update_first:
+            hook.rollout_done(2)  # the round pauses before its first or second drafter step
+        else:
+            hook._pending[0].join()  # the round has finished
+            hook.rollout_done(2)
+        with torch.no_grad():  # "the update": the embedding and LM head (tied) change in place
+            target.embed_tokens.weight.mul_(1.5).add_(0.05)
+        assert hook.after_rollout(2, None, [])["drafter/steps"] > 5
+        assert hook.drafter.target is target  # attached to the live target again
+        return {k: v.clone() for k, v in hook.drafter.trainable_state_dict().items()}
+
+    early, late = round_(update_first=True), round_(update_first=False)
+    assert all(torch.equal(early[k], late[k]) for k in early)
+    monkeypatch.setattr(online, "TargetSnapshot", lambda t: t)  # control: the round reads the live target
+    early, late = round_(update_first=True), round_(update_first=False)
+    assert not all(torch.equal(early[k], late[k]) for k in early)
+    target.load_state_dict(weights)
+
+
 def _chain_forward(drafter, inputs, ids, pos):
     """A plain causal forward over one drafting chain [n, H]: what the drafter computes at inference."""
     return drafter(inputs[None], ids[None], pos[None])[0, -1]

@@ -1,6 +1,7 @@
 """Runs that survive SIGKILL: the real `tlt train` killed at named points of a step (tlt.faults, TLT_FAULT_AT)
 and resumed with trainer.resume=auto ends with bitwise the same policy, drafter and per-step metrics as a run
-that was never interrupted. The fast test (CI) kills a few times; the slow one 24 times, in every phase."""
+that was never interrupted, with the drafter's default settings (spot training where a core is idle, as with one
+thread on two cores). The fast test (CI) kills a few times; the slow one 24 times, in every phase."""
 from __future__ import annotations
 
 import json
@@ -29,7 +30,6 @@ def train(run_root: Path, cache: Path, steps: int, fault: str | None = None) -> 
                  "trainer.logger=[jsonl]", "trainer.resume=auto", f"trainer.default_local_dir={run_root}",
                  "trainer.experiment_name=faults", "trainer.max_ckpt_to_keep=2",
                  "rollout.dtype=float32",              # the same weights whatever this CPU's bf16
-                 "drafter_train.spot=false",           # sessions after the update, whatever the cores
                  "drafter_train.holdout_fraction=0"]   # every session publishes: the publish point is reached
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TLT_CACHE": str(cache), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1"}

@@ -12,10 +12,11 @@ depends on the drafter, so a publish is always safe. Nothing here reads a clock 
 the drafter an uninterrupted one does.
 
 When: with `spot` off, after the policy update, paid on top of the step. With `spot` on, the round on the steps so
-far runs in a thread beside the next rollout, on compute the rollout leaves idle; when the rollout ends,
-`rollout_done` returns once the thread has paused before its next drafter step (the update rewrites the target's
-embedding and LM head, which a drafter step reads), it stays paused through the log-probs and the update, then
-finishes, and is published after that rollout (drafter/spot_yield_s, spot_wait_s). The round reads only the buffer
+far runs in a thread beside the next rollout, on compute the rollout leaves idle, against a copy of the target's
+embedding and LM head taken as it starts (TargetSnapshot: the update rewrites them); when the rollout ends,
+`rollout_done` returns once the thread has paused before its next drafter step, it stays paused through the
+log-probs and the update (which would share memory bandwidth with it), then finishes, and is published after that
+rollout (drafter/spot_yield_s, spot_wait_s). The round reads only the buffer
 and its training copy; the engine's drafter changes only in the main thread. The drafter comparison
 (compare_drafters) runs in the same place, on the previous step's held-out responses (drafter/compare/rl_step).
 
@@ -110,15 +111,19 @@ class OnlineDrafterHook(DrafterHook):
                 finally:
                     self._fresh = None
                     result["end"] = time.perf_counter()
+            # the round reads the target's embedding and LM head as they are now, whenever the update runs: what
+            # it trains is then the same in every run, resumed or not
+            snapshot = TargetSnapshot(self.spec.drafter.target)
+            for d in self._drafters():
+                d.attach(snapshot)
             thread = threading.Thread(target=work, name="tlt-spot-drafter", daemon=True)
             self._spot_start, self._rollout_end = time.perf_counter(), None
             thread.start()
             self._pending = (thread, result)
 
     def rollout_done(self, step: int) -> None:
-        """The rollout is over: a spot round pauses before its next drafter step until after the update. Returns
-        once it has paused (or finished): the update changes the target's embedding and LM head, which a drafter
-        step in flight reads."""
+        """The rollout is over: a spot round pauses before its next drafter step until after the update, which
+        would share the memory bandwidth. Returns once it has paused (or finished)."""
         self._may_run.clear()
         t0 = time.perf_counter()
         if self._pending is not None:
@@ -143,6 +148,8 @@ class OnlineDrafterHook(DrafterHook):
             overlap = max(min(result["end"], rollout_end) - self._spot_start, 0.0)
             metrics["drafter/spot_overlap_s"] = overlap
             self._pending = None
+            for d in self._drafters():
+                d.attach(self.spec.drafter.target)
             if "error" in result:
                 raise result["error"]
             metrics.update(result.get("compare", {}))  # the previous step's responses (drafter/compare/rl_step)
@@ -204,6 +211,9 @@ class OnlineDrafterHook(DrafterHook):
                 "drafter/compare/online": online["accept_proxy"], "drafter/compare/frozen": frozen["accept_proxy"],
                 "drafter/compare/ngram": float(ngram.float().mean()), "drafter/compare/tokens": float(ngram.numel()),
                 "drafter/compare/time_s": time.perf_counter() - t0}
+
+    def _drafters(self) -> list[Drafter]:
+        return [self.drafter] + ([self.frozen.drafter] if self.frozen is not None else [])
 
     def _due(self, step: int) -> bool:
         """Whether the round on the steps through `step` runs now; called once a step (before_rollout with spot,
@@ -329,7 +339,7 @@ class OnlineDrafterHook(DrafterHook):
                                                             self.frozen.drafter.trainable_state_dict().items()}}
 
     def export(self, out_dir: Path) -> None:
-        """The drafter the engine uses, in tlt.speculative.drafter_io's layout (`export_eagle` converts it for
+        """The drafter the engine uses, in tlt.speculative.drafter_io's layout (tlt.export converts it for
         serving)."""
         save_drafter(self.spec.drafter, out_dir, extra={"version": self.version,
                                                         "drafter_steps": self.trainer.total_steps})
@@ -352,6 +362,19 @@ class OnlineDrafterHook(DrafterHook):
                                                          before.items()}
         if self.frozen is not None and state.get("frozen") is not None:  # the run's warm start, not the resumed one
             self.frozen.drafter.load_state_dict(state["frozen"], strict=False)
+
+
+class TargetSnapshot:
+    """A copy of what a drafter reads of its target (the embedding and the LM head, tied or not, and the config):
+    a spot round attaches to it, so the policy update running meanwhile changes nothing the round computes."""
+
+    def __init__(self, target):
+        with torch.inference_mode(False), torch.no_grad():
+            self.cfg = target.cfg
+            embed = target.embed_tokens.weight.detach().clone()
+            self.embed_tokens = torch.nn.Embedding.from_pretrained(embed, freeze=True)
+            head = target.lm_head_weight
+            self.lm_head_weight = embed if head is target.embed_tokens.weight else head.detach().clone()
 
 
 def training_copy(engine_drafter: Drafter) -> Drafter:
