@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from tlt.models.config import ModelConfig
 from tlt.models.decoder import Decoder
 from tlt.speculative.drafter import Drafter
-from tlt.speculative.drafter_io import (build_draft_vocab, eagle_state_dict, export_eagle, load_draft_vocab,
-                                        load_drafter, load_eagle, save_draft_vocab, save_drafter)
+from tlt.export.eagle import eagle_state_dict, export_eagle, load_eagle
+from tlt.speculative.drafter_io import build_draft_vocab, load_draft_vocab, load_drafter, save_draft_vocab, save_drafter
 
 
 def hf_config(family: str) -> dict:

@@ -24,7 +24,7 @@ import torch
 from tlt.models.loader import write_safetensors
 from tlt.schema import UserError
 from tlt.speculative.drafter import Drafter
-from tlt.speculative.drafter_io import eagle_state_dict
+from tlt.export.eagle import eagle_state_dict
 
 FORMAT = "tlt-vllm-eagle-v1"
 KINDS = ("auto", "eagle", "tlt-plugin")
