@@ -236,3 +236,20 @@ def test_bench_spec_decodes_past_eos_unless_asked_to_stop(tmp_path, tiny_llama_d
     end = free[0][1].index(eos) + 1
     assert stopped[0][1] == free[0][1][:end] and end <= 6
     assert {r["strategy"] for r in rows} == {"plain", "ngram"}
+
+
+def test_profile_measures_a_table_the_cost_model_loads(tiny_llama_dir, tmp_path, capsys):
+    """`tlt bench profile` on a tiny model: a table of positive costs by rows and tokens, written where --out says,
+    that tlt.engine.cost_model prices forwards from (an unknown rows/tokens pair interpolated between them)."""
+    from tlt.bench import profile
+    from tlt.engine.cost_model import CostModel, load_profiles
+    from tlt.models import load_model
+    out = tmp_path / "p.json"
+    assert profile.main(["--model", tiny_llama_dir, "--dtype", "float32", "--rows", "1,2,4", "--tokens", "1,3",
+                         "--context", "16", "--repeats", "1", "--name", "tiny", "--out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    table = result["profile"]
+    assert table["rows"] == [1, 2, 4] and table["tokens"] == [1, 3]
+    assert all(t > 0 for part in ("target_s", "drafter_s", "draft_head_s") for row in table[part] for t in row)
+    costs = CostModel(load_profiles(str(out))["tiny"], load_model(tiny_llama_dir).cfg, 64)
+    assert costs.forward("target", 3, 2, 0) > 0

@@ -73,23 +73,6 @@ def test_plain_costs_interpolate_and_extrapolate_along_the_upper_slope():
     assert flat(64) == 3.0  # a GPU's flat cost stays flat past the largest batch measured
 
 
-def test_the_prior_does_not_try_an_arm_that_could_not_pay():
-    """Plain steps cost in proportion to their rows (a CPU): a chain of 2 drafts at bs 16 verifies 48 rows' worth,
-    about 3x a plain step there, and its method accepted 1.5 tokens a row elsewhere: it is not tried. A flat cost (a
-    GPU) or a drafter accepting 3.5 tokens would let it be tried (the controls)."""
-    def trial(slope, accepted):
-        p = AdaptivePolicy([1, 20, math.inf], [[OFF, CHAIN], [OFF, CHAIN], [OFF]])
-        for bs in (1, 8, 16, 32, 48):
-            for _ in range(4):
-                p.observe(bs, OFF, bs, 1.0 + slope * bs)
-        for _ in range(8):
-            p.observe(1, CHAIN, accepted, 1.0)
-        return [p.choose(16) for _ in range(3)]
-    assert trial(slope=1.0, accepted=1.5) == [OFF] * 3
-    assert CHAIN in trial(slope=0.0, accepted=1.5)
-    assert CHAIN in trial(slope=1.0, accepted=3.5)  # counted as 3 (its depth's most): 3 x 17 s >= 49 s
-
-
 def test_a_losing_arm_is_parked_and_its_probes_cost_a_bounded_share_that_backs_off():
     """A chain at 0.8x of plain: after its trial it is parked; it comes back for a trial once the bucket decoded
     1 / probe times what it lost, then twice that, ... (misses counted). Over a long run its probes take about

@@ -19,7 +19,7 @@ from tlt.models import load_model
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.drafter_io import save_drafter
 
-CPU_PROFILE = "cpu-epyc-2core"  # measured by `tlt bench profile` (tlt/engine/device_profiles.json)
+CPU_PROFILE = "cpu-zen5-2core"  # measured by `tlt bench profile` (tlt/engine/device_profiles.json)
 
 
 TEMPERATURE = 1.0  # seeded: every configuration samples the very same tokens (the invariant rule)
@@ -60,29 +60,41 @@ def _costs(profile: str) -> CostModel:
 
 
 # ---- a CPU: SD pays only in the tail, and the policy costs nothing where it does not ----------------------------------
-def _cpu_run(target, bs, policy=None):
-    model, drafter, _ = target
-    batches = [long_tail(p, 128, TEMPERATURE, seed=100 * i) for i, p in enumerate(_prompts(bs, 3))]
-    return compare(model, drafter, _costs(CPU_PROFILE), batches, arm_table="cpu", policy=policy, arms=False)
+def _cpu_run(target, bs, policy=None, trained=True):
+    """Three rollouts of a long tail (rows stopping at lengths spread up to 256 tokens, the batch shrinking from bs to
+    1) decoded in turn by one engine under the CPU's measured costs."""
+    model, drafter, fresh = target
+    batches = [long_tail(p, 256, TEMPERATURE, seed=100 * i) for i, p in enumerate(_prompts(bs, 3))]
+    return compare(model, drafter if trained else fresh, _costs(CPU_PROFILE), batches, arm_table="cpu",
+                   policy=policy, arms=False)
 
 
-def _no_prior(policy):
-    policy.could_pay = lambda bs, arm: True
+def _wrong_price(policy):
+    """A policy that prices plain steps at twice what they cost: every SD arm looks twice as good as it is."""
+    add = policy.price.add
+    policy.price.add = lambda bs, seconds: add(bs, 2 * seconds)
     return policy
 
 
 @pytest.mark.parametrize("bs", [1, 2, 4, 8, 16, 32, 64])
 def test_under_a_cpu_profile_adaptive_is_never_slower_than_plain_decoding(target, bs):
-    """Rollouts of a long tail (rows stopping at lengths spread up to 128 tokens, the batch shrinking from bs to 1)
-    under the CPU's measured costs: adaptive takes at most 1/0.98 of plain decoding's virtual time."""
+    """With the trained drafter: adaptive takes at most 1/0.98 of plain decoding's virtual time (SD pays in the tail
+    and at small batches, not above bs 32)."""
     ratio = speedups(_cpu_run(target, bs))["adaptive"]
     assert ratio >= 0.98, ratio
 
 
-def test_under_a_cpu_profile_the_prior_is_what_keeps_adaptive_from_losing(target):
-    """Control: without the prior (every arm tried in every bucket), trials of arms that cannot pay at bs 5-64
-    cost the rollouts more than 2%."""
-    assert min(speedups(_cpu_run(target, bs, _no_prior))["adaptive"] for bs in (16, 64)) < 0.98
+@pytest.mark.parametrize("bs", [1, 2, 4, 8, 16, 32, 64])
+def test_under_a_cpu_profile_where_no_arm_pays_adaptive_costs_little(target, bs):
+    """With an untrained drafter (no EAGLE arm pays; n-gram drafts sometimes do) the trials, probes and refreshes
+    cost at most 3% of plain decoding's time (measured: at most 2%)."""
+    ratio = speedups(_cpu_run(target, bs, trained=False))["adaptive"]
+    assert ratio >= 0.97, ratio
+
+
+def test_under_a_cpu_profile_a_wrong_price_makes_adaptive_lose(target):
+    """Control: priced against plain steps at twice their cost, the policy keeps losing arms (0.8-0.9x)."""
+    assert max(speedups(_cpu_run(target, bs, _wrong_price, trained=False))["adaptive"] for bs in (16, 32)) < 0.95
 
 
 # ---- a GPU: verifying a tree costs about a decode step ----------------------------------------------------------------

@@ -38,7 +38,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 = torch's default")
     ap.add_argument("--context", type=int, default=256, help="cached tokens a row during the timed forwards")
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs a cell (the median is kept)")
+    ap.add_argument("--repeats", type=int, default=5, help="rounds, each timing every cell once (a cell's median is kept)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--name", default=f"cpu-{platform.node() or 'this'}")
@@ -61,6 +61,20 @@ def _median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _interleaved_medians(cells: dict, repeats: int) -> dict:
+    """Each cell's median over `repeats` rounds, a round timing every cell once: a slow minute of a shared machine
+    then lands in one sample of every cell, not in all of a few cells."""
+    for fn in cells.values():
+        fn(); fn()  # warm-up (first calls pack weights)
+    times = {key: [] for key in cells}
+    for _ in range(repeats):
+        for key, fn in cells.items():
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(ts) for key, ts in times.items()}
+
+
 def _model_path(name: str):
     if name == "smollm2-135m":
         from tlt.models.smollm import default_model_path
@@ -74,9 +88,11 @@ def measure(args) -> dict:
     model, engine = llm.model, llm.engine
     g = torch.Generator().manual_seed(0)
     V, H = model.cfg.vocab_size, model.cfg.hidden_size
-    for _ in range(max(args.rows)):  # rows holding --context cached tokens each
+    # rows holding --context cached tokens each, each reserving a response as long (a rollout's cache, not the context
+    # limit: attention off the C kernels reads the whole capacity)
+    for _ in range(max(args.rows)):
         engine.add_request(torch.randint(1, V, (args.context,), generator=g).tolist(),
-                           tlt.SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True))
+                           tlt.SamplingParams(temperature=0, max_tokens=args.context, ignore_eos=True))
     while len(engine.running) < max(args.rows):  # prefill
         engine.step()
     running = engine.running
@@ -102,8 +118,11 @@ def measure(args) -> dict:
         return lambda: drafter.logits(hid)
 
     with torch.inference_mode():
-        table = {part: [[_median_s(make(B, T), args.repeats) for T in args.tokens] for B in args.rows]
-                 for part, make in (("target", target), ("drafter", draft), ("draft_head", head))}
+        table = _interleaved_medians({(part, B, T): make(B, T) for part, make in
+                                      (("target", target), ("drafter", draft), ("draft_head", head))
+                                      for B in args.rows for T in args.tokens}, args.repeats)
+    table = {part: [[table[part, B, T] for T in args.tokens] for B in args.rows]
+             for part in ("target", "drafter", "draft_head")}
     profile = {"kind": "table", "source": source_line(args, engine), "rows": args.rows, "tokens": args.tokens,
                **{f"{part}_s": t for part, t in table.items()},
                "ngram_row_s": _ngram_row_s(args.context), "overhead_s": {"prefill": 0.0, "plain": 0.0, "sd": 0.0}}
@@ -134,7 +153,7 @@ def _overheads(llm, profile: dict, args) -> dict[str, float]:
             drafter.d2t = torch.arange(min(DRAFT_VOCAB, llm.model.cfg.vocab_size))
             SpecDecoder(engine, SpecConfig(adaptive=False, num_speculative_tokens=2, bs_threshold=None), drafter)
         for _ in range(bs):
-            engine.add_request(list(range(1, args.context + 1)), tlt.SamplingParams(temperature=0, max_tokens=10**6,
+            engine.add_request(list(range(1, args.context + 1)), tlt.SamplingParams(temperature=0, max_tokens=args.context,
                                                                                      ignore_eos=True))
         engine.step()  # prefill
         gaps = []

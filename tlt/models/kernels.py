@@ -18,11 +18,9 @@ keyed by the weight's identity and version counter, so an optimizer step or load
 op-by-op layer.
 
 `decode_layer`: a whole decoder layer for a few new tokens per row (decode, verification, drafting) in one call
-(csrc/decode_layer.c): norms, qkv, rotary, the KV-cache write, attention, o-proj, MLP and residuals, with the same
-kernels as the op-by-op path, over fp32 or bf16 weights (fp32 between the matmuls); per-op overhead was ~40% of a
-one-row step. `small_query_attention`: attention of a few new tokens per row that reads each row's own keys
-(csrc/cached_attention.c) in fp32; otherwise two batched matmuls over the cache (softmax in fp32). Measured
-speedups: docs/design.md §9 and docs/results/README.md.
+(csrc/decode_layer.c), with the op-by-op path's kernels over fp32 or bf16 weights (fp32 between the matmuls).
+`small_query_attention`: a few new tokens per row reading each row's own keys (csrc/cached_attention.c) in fp32;
+otherwise two batched matmuls over the cache (softmax in fp32). Measured speedups: docs/design.md §9.
 """
 from __future__ import annotations
 

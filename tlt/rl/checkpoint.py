@@ -13,12 +13,10 @@ A checkpoint is written into a temporary directory next to its final place, ever
 into place (a crash leaves either the old state or the new one, never half a checkpoint); the latest-step file
 is replaced atomically after that, and never names a directory that is not there (re-saving a step points it at
 another complete checkpoint during the swap). Before a run trusts a checkpoint it verifies it
-(tlt.rl.checkpoint_verify): trainer.resume=auto resumes from the newest one that verifies, warning which newer ones
-it skipped and why; an explicit trainer.resume=DIR that does not verify is an error naming the bad file. Nothing
-is deleted for failing: a damaged checkpoint stays where it is, rotation (trainer.max_ckpt_to_keep) counts and
-removes only checkpoints that verify, and a step re-saved over a damaged directory first sets it aside as
-corrupt_global_step_N. trainer_state.pt holds tensors and plain containers only and is loaded with
-torch.load(weights_only=True): nothing in it can run code.
+(tlt.rl.checkpoint_verify): trainer.resume=auto takes the newest that verifies, warning which it skipped; a
+trainer.resume=DIR that does not verify is an error naming the bad file. Nothing is deleted for failing: rotation
+(trainer.max_ckpt_to_keep) removes only checkpoints that verify, and a step re-saved over a damaged directory sets
+it aside as corrupt_global_step_N. trainer_state.pt (tensors and plain containers) loads with weights_only=True.
 
 Before writing, the trainer checks that its disk holds the tensors it is about to write (`check_space`, every rank
 its own part): a checkpoint that will not fit is refused with nothing of it written (CheckpointSpaceError), and a

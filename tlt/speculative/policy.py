@@ -5,26 +5,20 @@ strategy, or "off": plain decoding) and reports `observe(batch_size, arm, tokens
 emitted over its rows and its cost on the engine's clock. Time is injected; nothing here reads a clock.
 
 Value: an arm's speed relative to plain decoding at the same batch sizes over its last `window` steps,
-sum(tokens_i / bs_i * t(bs_i)) / sum(seconds_i), where t(bs) is a plain step's cost there (the median of the last
-plain steps at bs; PlainCosts). "off" is 1. Raw tokens per second would compare steps taken at different batch
-sizes of one bucket.
+sum(tokens_i / bs_i * t(bs_i)) / sum(seconds_i), t(bs) a plain step's cost there (PlainCosts); "off" is 1.
 
 Choice, at or below `bs_threshold` (above it: "off"):
-  1. a trial: an arm whose record holds fewer than `min_steps` steps and `min_rows` rows (its steps' batch sizes
-     summed) since it was emptied, in table order ("off" first: it prices the others), unless the prior says it
-     cannot pay (`could_pay`: where not to look): a step at bs 64 says as much as 16 at bs 4;
+  1. a trial: an arm whose record holds fewer than `min_steps` steps and `min_rows` rows since it was emptied, in
+     table order ("off" first: it prices the others);
   2. "off", where the chosen SD arm would be priced without a plain step at this batch size, or none ran in the last
      `refresh` choices (the price follows the machine);
-  3. the active arm of highest score, its value x (1 + explore * sqrt(ln n / its steps)), n the bucket's choices
-     (UCB: an arm with few steps on record is tried until they say it is worse; the bonus, the exploration, decays
-     as its steps accrue, and a new drafter's arms, their records cut, are explored again); "off" scores 1 and wins
-     ties.
+  3. the active arm of highest score, value x (1 + explore * sqrt(ln n / its steps)), n the bucket's choices (UCB:
+     the bonus decays as its steps accrue); "off" scores 1 and wins ties.
 Parking, the one mechanism for anything that stopped paying: an SD arm judged below 1 is parked (neither chosen nor
-explored). It is tried again (a probe: a fresh trial) once its bucket has decoded n / `probe` times the seconds it
-lost (n: the bucket's SD arms, so that their probes together cost about `probe` of its time), doubled for each
-probe in a row that found it losing (up to 2 ** backoff), or at once when new drafters have
-grown its accept length enough since it was parked for it to pay (`drafter_changed(gain)`). A bucket whose SD arms
-are all parked decodes plainly. `explain()` says per bucket and arm what the record holds and why it runs or not.
+explored) and probed (a fresh trial) once its bucket has decoded n / `probe` times the seconds it lost (n: the
+bucket's SD arms, so their probes together cost about `probe` of its time), doubled for each losing probe in a row
+(up to 2 ** backoff), or at once when published drafters have grown its accept length enough for it to pay
+(`drafter_changed(gain)`). `explain()` says per bucket and arm what the record holds and why it runs or not.
 """
 from __future__ import annotations
 
@@ -60,8 +54,7 @@ class PlainCosts:
     """A plain step's seconds by batch size, from every plain step (above bs_threshold too): at bs, the median of the
     last PRICE_STEPS plain steps at batch sizes within a quarter of bs (one slow step, a process's first at a batch
     size, does not set a price); linear between those, and past the largest along the slope of the upper half of
-    them (never falling). It prices an arm's tokens and, for the prior, a verify forward of bs rows x T tokens as a
-    plain step of bs * T rows (a forward's cost follows its tokens)."""
+    them (never falling). It prices an arm's tokens."""
 
     def __init__(self):
         self.steps: dict[int, deque] = {}
@@ -153,10 +146,6 @@ class ArmRecord:
         while len(self.steps) > n:
             self.drop_oldest()
 
-    def tokens_per_row(self) -> float:
-        """Tokens a row emitted a step over the window (the accept length, bonus token included)."""
-        return sum(s[1] for s in self.sums.values()) / max(len(self.steps), 1)
-
     def unpark(self) -> None:
         """A probe: active again with an empty record (a fresh trial)."""
         self.keep_last(0)
@@ -193,7 +182,6 @@ class AdaptivePolicy:
         self.min_steps, self.min_rows = min_steps, min_rows
         self.refresh, self.probe, self.backoff = refresh, probe, backoff
         self.price = PlainCosts()
-        self.accepted: dict[tuple[str, int], float] = {}  # (method, depth) -> tokens a row a step, best bucket
         self.buckets = [Bucket(1 if i == 0 else int(bounds[i - 1]) + 1, hi, [ArmRecord(a) for a in table])
                         for i, (hi, table) in enumerate(zip(bounds, arms))]
 
@@ -215,22 +203,13 @@ class AdaptivePolicy:
         """What plain decoding takes for `tokens` emitted at batch size bs; None before any plain step."""
         return tokens / bs * self.price(bs) if self.price else None
 
-    def could_pay(self, bs: int, arm: Arm) -> bool:
-        """The prior, where not to look: whether the arm could beat plain decoding at bs with the most tokens a row
-        its method has been seen to accept at its depth or deeper (any bucket; 1 + depth where none), were its step
-        as cheap as its verify forward alone, priced as a plain step of bs * (1 + num_draft_tokens) rows."""
-        seen = [t for (method, depth), t in self.accepted.items() if method == arm.method and depth >= arm.depth]
-        tokens = min(max(seen, default=math.inf), 1.0 + arm.depth)
-        return not self.price or tokens * self.price(bs) >= self.price(bs * (1 + arm.num_draft_tokens))
-
     # ---- choosing ---------------------------------------------------------------------------------------------
     def choose(self, bs: int) -> Arm:
         if self.bs_threshold is not None and bs > self.bs_threshold:
             return OFF
         b = self.bucket(bs)
         off = off_in(b)
-        active = [r for r in b.arms if r.parked_for is None
-                  and (r is off or self._tried(r) or self.could_pay(bs, r.arm))]
+        active = [r for r in b.arms if r.parked_for is None]
         rec = next((r for r in active if not self._tried(r)), None)  # a trial
         if rec is None:
             rec = max(active, key=lambda r: self.score(b, r))
@@ -271,11 +250,8 @@ class AdaptivePolicy:
                     r.unpark()
         rec = next(r for r in b.arms if r.arm == arm)
         rec.add((bs, tokens, seconds), self.window)
-        if arm.method != "off":
-            self.accepted[(arm.method, arm.depth)] = max(
-                r.tokens_per_row() for bb in self.buckets for r in bb.arms if r.arm == arm and r.steps)
-            if self._tried(rec) and off_in(b):
-                self._judge(rec, sum(r.arm.method != "off" for r in b.arms))
+        if arm.method != "off" and self._tried(rec) and off_in(b):
+            self._judge(rec, sum(r.arm.method != "off" for r in b.arms))
 
     def _judge(self, rec: ArmRecord, arms: int) -> None:
         """Park an SD arm that loses to plain decoding (its probes, and its bucket's `arms` SD arms' together, cost
