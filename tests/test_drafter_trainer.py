@@ -206,6 +206,22 @@ def test_a_spot_round_trains_the_same_drafter_wherever_the_update_lands(tiny_lla
     target.load_state_dict(weights)
 
 
+def test_a_drafter_attached_to_another_target_drafts_with_its_head_at_the_same_address(target):
+    """The reduced draft head is a cached slice of the target's LM head, keyed by its address and version: a drafter
+    attached to another target (a spot round's next TargetSnapshot, which may reuse the freed copy's memory) takes
+    that target's rows. Control: the same swap without attach, which the cache cannot see, keeps the stale rows."""
+    from types import SimpleNamespace
+    drafter = Drafter(target.cfg)
+    drafter.d2t = torch.arange(0, 128, 2)
+    buf = target.lm_head_weight.detach().clone()
+    drafter.attach(SimpleNamespace(cfg=target.cfg, lm_head_weight=buf))
+    first = drafter.draft_head().clone()
+    buf.data.copy_(torch.randn_like(buf))  # new content at the same address, the version counter untouched
+    assert torch.equal(drafter.draft_head(), first)  # control: the cache cannot tell
+    drafter.attach(SimpleNamespace(cfg=target.cfg, lm_head_weight=buf))
+    assert torch.equal(drafter.draft_head(), buf[drafter.d2t])
+
+
 def _chain_forward(drafter, inputs, ids, pos):
     """A plain causal forward over one drafting chain [n, H]: what the drafter computes at inference."""
     return drafter(inputs[None], ids[None], pos[None])[0, -1]

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tlt.device import usable_cpus
 from tlt.faults import PHASES, fault_point, parse_fault_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +68,9 @@ def kill_and_resume(tmp_path: Path, steps: int, faults: list[str]) -> None:
     cache = tmp_path / "cache"
     ref = train(tmp_path / "ref", cache, steps)
     assert ref.returncode == 0, ref.stderr[-3000:]
+    if len(usable_cpus()) > 1:  # one torch thread, a core idle: the default trains the drafter beside the rollout
+        rows = (tmp_path / "ref" / "tlt" / "faults" / "metrics.jsonl").read_text().splitlines()
+        assert any("drafter/spot_wait_s" in json.loads(row) for row in rows), "no spot round ran"
     for fault in faults:
         killed = train(tmp_path / "faulty", cache, steps, fault)
         assert killed.returncode == -signal.SIGKILL, f"{fault} was not reached: rc={killed.returncode}\n" \

@@ -325,6 +325,29 @@ def test_sd_costs_are_reported(tiny_llama_dir):
     assert st["spec_net_saved_s"] != 0 and abs(st["spec_net_saved_s"]) < 100
 
 
+def test_an_sd_step_counts_the_tokens_appended_not_the_drafts_past_a_stop(sharp_llama, monkeypatch):
+    """Rows stopping at a stop token mid-draft: the engine's decode_by_bs (what the policy and the harness read)
+    counts the tokens the rows kept, not the accepted drafts past their stop. The check that it matters: the
+    verifier's emitted tokens outnumber them."""
+    from collections import Counter
+    model, drafter = sharp_llama
+    llm = tlt.LLM(model, dtype="float32", speculative_config=dict(CHAIN, model=drafter))
+    prompts = _prompts(model.cfg.vocab_size, 8)
+    free = llm.generate(prompts, tlt.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    stop = Counter(t for o in free for t in o.outputs[0].token_ids[2:]).most_common(1)[0][0]  # a frequent token
+    llm = tlt.LLM(model, dtype="float32", speculative_config=dict(CHAIN, model=drafter))
+    emitted = []
+    commit = llm.engine.commit
+    monkeypatch.setattr(llm.engine, "commit", lambda seqs, result, *a: (emitted.append(
+        sum(map(len, result.emitted_ids))), commit(seqs, result, *a))[1])
+    outs = llm.generate(prompts, tlt.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                    stop_token_ids=[stop]))
+    decoded = sum(tokens for _, tokens, _ in llm.engine.stats.decode_by_bs.values())
+    kept = sum(len(o.outputs[0].token_ids) for o in outs) - len(outs)  # prefill samples each row's first token
+    assert decoded == kept
+    assert sum(emitted) > kept  # drafts accepted past a stop token were dropped
+
+
 class _RecordingClock(VirtualClock):
     """A cost model's clock that also records when the engine stops it, among the commit's K/V moves."""
 

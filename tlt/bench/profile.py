@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
 import time
 
@@ -29,7 +30,7 @@ from tlt.speculative.drafter import Drafter
 
 ROWS = [1, 2, 4, 8, 16, 32, 64]
 TOKENS = [1, 2, 3, 5, 9, 17]
-DRAFT_VOCAB = 8192  # the warm-up drafter's reduced vocabulary (tlt train-drafter's default)
+DRAFT_VOCAB = 8192  # the default warm-up drafter's reduced vocabulary (drafter_train.warmup build)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -62,13 +63,17 @@ def _median_s(fn, repeats: int) -> float:
 
 
 def _interleaved_medians(cells: dict, repeats: int) -> dict:
-    """Each cell's median over `repeats` rounds, a round timing every cell once: a slow minute of a shared machine
-    then lands in one sample of every cell, not in all of a few cells."""
+    """Each cell's median over `repeats` rounds, a round timing every cell once, in an order shuffled each round: a
+    slow minute of a shared machine lands in one sample of every cell, not in all of a few cells, and no cell always
+    follows the same one (a small forward after a large one finds the caches cold)."""
     for fn in cells.values():
         fn(); fn()  # warm-up (first calls pack weights)
     times = {key: [] for key in cells}
-    for _ in range(repeats):
-        for key, fn in cells.items():
+    order = list(cells)
+    for r in range(repeats):
+        random.Random(r).shuffle(order)
+        for key in order:
+            fn = cells[key]
             t0 = time.perf_counter()
             fn()
             times[key].append(time.perf_counter() - t0)

@@ -77,7 +77,7 @@ class TargetCache:
     """The target's side of an evaluation (its top-1 over the whole vocabulary and its distribution over the draft
     rows), kept for the last batch evaluated, for the evaluations of one batch against one target: a round's
     drafter before and after training; on a step's fresh responses, the comparison's online and frozen drafters and
-    the back-off's judge (tlt.drafter_train.online.fresh_batch). That [tokens, vocab] product
+    the published round's judge (tlt.drafter_train.online.fresh_batch). That [tokens, vocab] product
     is most of an evaluation's cost on a CPU. Keyed by the batch object, the LM head's storage and version and the
     draft vocabulary, so an update of the target (an optimizer step or weight sync bumps the version) recomputes
     it. It holds the batch and a [tokens, draft vocab] fp32 tensor: make one per batch, dropped after use."""

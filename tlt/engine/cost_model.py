@@ -26,10 +26,6 @@ def load_profiles(path: str | Path | None = None) -> dict[str, dict]:
     return json.loads(Path(path or PROFILES_FILE).read_text())
 
 
-def profile_names() -> list[str]:
-    return sorted(load_profiles())
-
-
 @dataclass
 class CostModel:
     profile: dict                  # one entry of device_profiles.json

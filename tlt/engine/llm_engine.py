@@ -100,8 +100,6 @@ class LLMEngine:
         if self.asleep:
             raise RuntimeError("the engine is asleep (its KV cache was freed for the trainer): call wake() first")
         self.check_request(prompt_ids, params)
-        if self.spec is not None and not self.has_unfinished():
-            self.spec.on_new_batch()  # the engine was idle: a new batch (the next rollout) begins
         request_id = next(self._ids)
         group_id = request_id if group_id is None else group_id
         seqs = []
@@ -146,7 +144,7 @@ class LLMEngine:
     # ---- the speculator seam --------------------------------------------------------------------------------
     # A speculator (tlt.speculative.SpecDecoder) proposes drafts and verifies them; the engine owns the sequences,
     # their hidden-state records, the target's forwards, the K/V commit and the step's timing. It is told of
-    # requests and finished sequences (on_add, on_new_batch, on_tokens, on_finish), chooses each decode step's arm
+    # requests and finished sequences (on_add, on_tokens, on_finish), chooses each decode step's arm
     # (choose), and is given the step's cost on the engine's clock (observe).
     def attach_speculator(self, spec, slot_caches: tuple[KVCache, ...] = (), headroom: int = 0,
                           hidden_records: bool = False) -> None:
@@ -264,6 +262,7 @@ class LLMEngine:
                 done = self.sample_and_append(seqs, logits, hidden)
                 emitted, seconds = len(seqs), clock.stop("plain")
             else:
+                before = sum(len(s.output_ids) for s in seqs)
                 draft = self.spec.propose(seqs, arm)
                 clock.mark("propose")
                 hidden = self.tree_forward(seqs, draft.tokens, draft.depths, draft.mask, draft.nodes)
@@ -271,7 +270,8 @@ class LLMEngine:
                 clock.mark("verify")
                 done = self.commit(seqs, result, logprobs, hidden)
                 clock.mark("commit")
-                emitted, seconds = sum(map(len, result.emitted_ids)), clock.stop("sd")
+                # the tokens appended: a row's emitted tokens past its stop (EOS, max_tokens) are dropped
+                emitted, seconds = sum(len(s.output_ids) for s in seqs) - before, clock.stop("sd")
                 self.stats.num_spec_steps += 1
                 for phase, s in clock.phases.items():
                     self.stats.spec_phase_time_s[phase] = self.stats.spec_phase_time_s.get(phase, 0.0) + s

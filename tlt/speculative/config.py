@@ -25,7 +25,7 @@ def _ngram(n: int) -> Arm:
 
 def default_arm_table(table: str = "cpu") -> tuple[list[float], list[list[Arm]]]:
     """(bucket upper bounds, arms per bucket). "gpu": fastrl's trees (depth 8, topk 4; verify budget by bucket
-    48 / 32 / 16 / 8), a shallower tree of half the budget, a depth-4 chain, n-gram and off (a depth-8 chain verifies
+    48 / 32 / 16 / 8), a depth-6 top-2 tree of half the budget (at least 8), a depth-4 chain, n-gram and off (a depth-8 chain verifies
     as many tokens as the deep tree at the smallest budget and accepts less). "cpu", for a ~135M target on 2 cores, where a verify token costs
     a real share of a step: chains of depth 1 and 2 and n-gram below bs 21, plain decoding above (the arms that
     never paid there are left out: docs/results/spec_arms_cpu-zen4_2026-11-26.txt)."""
@@ -95,13 +95,11 @@ class SpecConfig:
         if not self.adaptive:
             k = self.num_speculative_tokens
             if self.method == "ngram":
-                arm = Arm(f"ngram{k}", "ngram", depth=k, num_draft_tokens=k)
+                arm = _ngram(k)
             elif self.draft_topk == 1:
-                arm = Arm(f"chain{k}", "eagle_chain", depth=k, topk=1, num_draft_tokens=k)
+                arm = _chain(k)
             else:
-                n = self.num_draft_tokens or k * self.draft_topk
-                arm = Arm(f"tree{k}x{self.draft_topk}n{n}", "eagle_tree", depth=k, topk=self.draft_topk,
-                          num_draft_tokens=n)
+                arm = _tree(k, self.draft_topk, self.num_draft_tokens or k * self.draft_topk)
             return [math.inf], [[arm]]
         table = self.arm_table if self.arm_table != "auto" else ("gpu" if device_type == "cuda" else "cpu")
         bounds, arms = default_arm_table(table)

@@ -31,6 +31,7 @@ class Drafter(nn.Module):
     def attach(self, target: Decoder) -> "Drafter":
         """Share the target's embedding and LM head (frozen, by reference)."""
         self._target[:] = [target]
+        self._head_key = None  # another target's head may sit at the address the cached slice was keyed by
         return self
 
     @property

@@ -12,7 +12,7 @@ Choice, at or below `bs_threshold` (above it: "off"):
      table order ("off" first: it prices the others);
   2. "off", where the chosen SD arm would be priced without a plain step at this batch size, or none ran in the last
      `refresh` choices (the price follows the machine);
-  3. the active arm of highest score, value x (1 + explore * sqrt(ln n / its steps)), n the bucket's choices (UCB:
+  3. the active arm of highest score, value x (1 + explore * sqrt(ln(1 + n) / its steps)), n the bucket's choices (UCB:
      the bonus decays as its steps accrue); "off" scores 1 and wins ties.
 Parking, the one mechanism for anything that stopped paying: an SD arm judged below 1 is parked (neither chosen nor
 explored) and probed (a fresh trial) once its bucket has decoded n / `probe` times the seconds it lost (n: the
@@ -119,7 +119,7 @@ class ArmRecord:
     cached: tuple = (-1, 0.0)        # (prices' version, value) of the record as it is
 
     def add(self, step: tuple, window: int) -> None:
-        if len(self.steps) == window:
+        while len(self.steps) >= window:
             self.drop_oldest()
         self.steps.append(step)
         self._count(step, 1)
@@ -225,8 +225,8 @@ class AdaptivePolicy:
         return len(rec.steps) >= self.min_steps or rec.rows >= self.min_rows
 
     def score(self, b: Bucket, rec: ArmRecord) -> float:
-        """value x (1 + explore * sqrt(ln(n) / its steps)), n the bucket's choices: an arm with few steps on record is
-        chosen until they say it is worse (UCB); "off", the reference, gets no bonus and wins ties."""
+        """value x (1 + explore * sqrt(ln(1 + n) / its steps)), n the bucket's choices: an arm with few steps on record
+        is chosen until they say it is worse (UCB); "off", the reference, gets no bonus and wins ties."""
         if rec.arm.method == "off":
             return 1.0
         return self.value(rec) * (1.0 + self.explore * math.sqrt(math.log(1 + b.choices) / max(len(rec.steps), 1)))
@@ -289,12 +289,14 @@ class AdaptivePolicy:
                 and all(r.parked_for is not None for r in b.arms if r.arm.method != "off")]
 
     def explain(self) -> dict[str, dict[str, dict]]:
-        """{bucket: {arm: {steps, value, chosen, state}}}: what each arm's record holds and why it runs or not."""
+        """{bucket: {arm: {steps, value, score, chosen, state}}}: what each arm's record holds and why it runs or
+        not ("best": the highest value; choose adds the exploration bonus, the score)."""
         out = {}
         for b in self.buckets:
             best = self._best([r for r in b.arms if r.parked_for is None], off_in(b))
             out[b.name] = {r.arm.name: {
-                "steps": len(r.steps), "value": round(self.value(r), 3), "score": round(self.score(b, r), 3),
+                "steps": len(r.steps), **{k: None if math.isinf(v) else round(v, 3)  # never ran: no value
+                                          for k, v in (("value", self.value(r)), ("score", self.score(b, r)))},
                 "chosen": r.chosen,
                 "state": ("best" if r is best else "active") if r.parked_for is None else
                 f"parked: probe in {max(r.parked_for - r.waited, 0):.3g} s (after {r.misses} misses)"}

@@ -72,6 +72,7 @@ class SpecDecoder:
                                                pool=pool) if pool is not None else None
         self.catch_up_chunk = CATCH_UP_LENGTHS[-1]  # the longest catch-up pass, in positions a row
         self.drafter_version = 0
+        self._rebuild = False  # the next drafter step rebuilds the running rows' drafter caches (a publish)
         self.reset_stats()
         engine.attach_speculator(self, slot_caches=(self.dcache,) if self.dcache is not None else (),
                                  headroom=cfg.cache_headroom(), hidden_records=drafter is not None)
@@ -137,9 +138,6 @@ class SpecDecoder:
     def on_add(self, seq: Sequence) -> None:
         self.ngram.register(seq.seq_id, seq.group_id, tuple(seq.prompt_ids), seq.prompt_ids)
 
-    def on_new_batch(self) -> None:
-        """Requests arrived at an idle engine (the next rollout)."""
-
     def on_tokens(self, seq: Sequence, new_tokens: list[int]) -> None:
         self.ngram.update(seq.seq_id, new_tokens)
 
@@ -152,7 +150,8 @@ class SpecDecoder:
 
     def observe(self, seqs: list[Sequence], arm: Arm | None, emitted: int, seconds: float, captured: bool) -> None:
         """A decode step of `arm` (None: no speculator's choice) emitted `emitted` tokens in `seconds` (on the
-        engine's clock). A step that captured a CUDA graph is not the arm's cost and is not given to the policy."""
+        engine's clock). A step that captured a CUDA graph, or the first drafter step after a publish mid-rollout
+        (it rebuilds every row's drafter cache), is not the arm's cost and is not given to the policy."""
         bs, st = len(seqs), self.st
         tail = self.cfg.bs_threshold is None or bs <= self.cfg.bs_threshold
         st["tail_time_s" if tail else "bulk_time_s"] += seconds
@@ -162,6 +161,8 @@ class SpecDecoder:
         st["arm_counts"][f"{self.policy.bucket(bs).name}:{arm.name}"] += 1
         if arm.method != "off":
             st["spec_on_steps"] += 1
+        rebuilt = arm.method in DRAFTER_METHODS and self._rebuild
+        self._rebuild = self._rebuild and not rebuilt
         if captured:
             return
         plain = self.policy.plain_seconds(bs, emitted)
@@ -171,7 +172,8 @@ class SpecDecoder:
             if arm.method in DRAFTER_METHODS:
                 st["drafter_step_time_s"] += seconds
                 st["drafter_plain_equiv_s"] += plain
-        self.policy.observe(bs, arm, emitted, seconds)
+        if not rebuilt:  # a step that rebuilt every row's drafter cache (after a publish) is not the arm's cost
+            self.policy.observe(bs, arm, emitted, seconds)
 
     def load_drafter_state(self, state: dict[str, torch.Tensor], gain: float | None = None) -> None:
         """Publish new drafter weights into this engine, also mid-rollout (exactness never depends on them). gain:
@@ -181,6 +183,7 @@ class SpecDecoder:
         self.policy.drafter_changed(gain)
         for s in self.engine.running:  # the drafter cache was computed by the old weights: rebuild it
             s.draft_cached = 0
+        self._rebuild = bool(self.engine.running)
 
     # ---- propose ----------------------------------------------------------------------------------------------
     def propose(self, seqs: list[Sequence], arm: Arm) -> Draft:
