@@ -40,6 +40,39 @@ def test_trials_first_in_table_order_then_the_fastest_arm():
     assert p.explain()["bs1-4"]["ngram4"]["state"] == "best"
 
 
+def test_a_trial_at_a_large_batch_takes_one_step():
+    """min_rows: one step at bs 16 holds the 16 rows a trial needs, so each arm's trial is one step there (control:
+    without the row rule, min_steps steps each)."""
+    def trials(**kw):
+        p = AdaptivePolicy([32, math.inf], [[OFF, CHAIN, NGRAM], [OFF]], **kw)
+        return _drive(p, 12, lambda a: (16 * (1 + (a is not OFF)), 1.0), bs=16)[:3]
+    assert trials() == ["off", "chain2", "ngram4"]
+    assert trials(min_rows=10**9) == ["off"] * 3
+
+
+def test_plain_decoding_runs_first_at_a_batch_size_it_has_not_priced():
+    """The best arm is an SD arm, yet at a batch size with no plain step yet "off" runs once, so the SD steps there
+    are priced by a plain step there; at a priced batch size (the control) the SD arm runs."""
+    p = _policy()
+    cost = {"off": (2, 1.0), "chain2": (4, 1.6), "ngram4": (3, 1.1)}
+    _drive(p, 40, lambda a: cost[a.name], bs=2)
+    assert p.choose(2) == NGRAM
+    p.observe(2, NGRAM, 3, 1.1)
+    assert p.choose(3) == OFF
+
+
+def test_the_price_follows_plain_decoding_getting_faster():
+    """Plain steps become twice as fast (the machine freed up, or the batch's rows got shorter): the chain, 1.25x
+    plain before, now loses, and the refreshes (one plain step every `refresh` SD choices) bring the new price in,
+    so the chain is dropped. Control: with no refresh the old price keeps it chosen."""
+    def tail(**kw):
+        p = _policy(arms=(OFF, CHAIN), **kw)
+        _drive(p, 40, lambda a: (2, 1.0) if a is OFF else (4, 1.6))
+        return _drive(p, 700, lambda a: (2, 0.5) if a is OFF else (4, 1.6))[-100:]
+    assert tail().count("chain2") < 10
+    assert tail(refresh=10**9).count("chain2") == 100
+
+
 def test_speed_is_measured_against_plain_decoding_at_the_same_batch_size():
     """Plain steps cost 1 s at bs 2 (2 tokens/s) and 1.2 s at bs 4 (3.3 tokens/s). The chain ran at bs 4, 1.2x plain
     there (4 tokens/s); the n-gram arm at bs 2, 1.5x plain (3 tokens/s). Valued against plain at their own batch
