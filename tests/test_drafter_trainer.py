@@ -115,25 +115,32 @@ def test_run_step_local_trains_in_the_gaps(target, buffer):
     assert tr.total_steps == 5
 
 
+def _spot_setup(model_dir, tmp_path, compare_drafters: bool):
+    """An SD engine with an untrained drafter, a spot round's config, and 8 sampled responses to train on."""
+    import tlt
+    from tlt.config import DrafterTrainConfig
+    from tlt.speculative.drafter import Drafter
+    from tlt.speculative.drafter_io import save_drafter
+
+    plain = tlt.LLM(model_dir, dtype="float32")
+    drafter_dir = save_drafter(Drafter(plain.engine.model.cfg), tmp_path / "d")
+    llm = tlt.LLM(model_dir, dtype="float32", speculative_config={"method": "eagle", "model": str(drafter_dir)})
+    cfg = DrafterTrainConfig(min_buffer_tokens=0, batch_tokens=64, window_len=16, holdout_fraction=0.0,
+                             compare_drafters=compare_drafters)
+    outs = plain.generate([[3, 5, 7, 9]] * 8, tlt.SamplingParams(temperature=1.0, max_tokens=40, seed=1,
+                                                               return_hidden_states=True, ignore_eos=True))
+    return llm, cfg, outs
+
+
 def test_a_spot_round_yields_to_the_update_and_finishes_after_it(tiny_llama_dir, tmp_path):
     """Spot training (docs/design.md §5): the round started alongside the rollout has paused before its next drafter
     step when rollout_done returns, stays paused while the update would run, and finishes after it (after_rollout),
     with every planned step trained. Control: without rollout_done it keeps training meanwhile."""
     import time
 
-    import tlt
-    from tlt.config import DrafterTrainConfig
     from tlt.drafter_train.online import OnlineDrafterHook
-    from tlt.speculative.drafter import Drafter
-    from tlt.speculative.drafter_io import save_drafter
 
-    plain = tlt.LLM(tiny_llama_dir, dtype="float32")
-    drafter_dir = save_drafter(Drafter(plain.engine.model.cfg), tmp_path / "d")
-    llm = tlt.LLM(tiny_llama_dir, dtype="float32", speculative_config={"method": "eagle", "model": str(drafter_dir)})
-    cfg = DrafterTrainConfig(min_buffer_tokens=0, batch_tokens=64, window_len=16, holdout_fraction=0.0,
-                             compare_drafters=False)
-    outs = plain.generate([[3, 5, 7, 9]] * 8, tlt.SamplingParams(temperature=1.0, max_tokens=40, seed=1,
-                                                               return_hidden_states=True, ignore_eos=True))
+    llm, cfg, outs = _spot_setup(tiny_llama_dir, tmp_path, compare_drafters=False)
 
     def round_(yield_to_update: bool) -> tuple[int, int, int]:
         hook = OnlineDrafterHook(cfg, llm.spec, spot=True)
@@ -162,19 +169,9 @@ def test_a_spot_round_trains_the_same_drafter_wherever_the_update_lands(tiny_lla
     drafter it trains is bitwise the same whether the update lands before its first drafter step or after its last:
     a killed and resumed run trains what an uninterrupted one does. Control: attached to the live target, the two
     differ."""
-    import tlt
     import tlt.drafter_train.online as online
-    from tlt.config import DrafterTrainConfig
-    from tlt.speculative.drafter import Drafter
-    from tlt.speculative.drafter_io import save_drafter
 
-    plain = tlt.LLM(tiny_llama_dir, dtype="float32")
-    drafter_dir = save_drafter(Drafter(plain.engine.model.cfg), tmp_path / "d")
-    llm = tlt.LLM(tiny_llama_dir, dtype="float32", speculative_config={"method": "eagle", "model": str(drafter_dir)})
-    cfg = DrafterTrainConfig(min_buffer_tokens=0, batch_tokens=64, window_len=16, holdout_fraction=0.0,
-                             compare_drafters=True)
-    outs = plain.generate([[3, 5, 7, 9]] * 8, tlt.SamplingParams(temperature=1.0, max_tokens=40, seed=1,
-                                                               return_hidden_states=True, ignore_eos=True))
+    llm, cfg, outs = _spot_setup(tiny_llama_dir, tmp_path, compare_drafters=True)
     target = llm.engine.model
     weights = {k: v.detach().clone() for k, v in target.state_dict().items()}
     start = {k: v.clone() for k, v in llm.spec.drafter.trainable_state_dict().items()}

@@ -70,7 +70,7 @@ def _cpu_run(target, bs, policy=None, trained=True):
 
 
 def _wrong_price(policy, factor=2.0):
-    """A policy that prices plain steps at `factor` times what they cost: every SD arm looks that much better."""
+    """A policy that prices plain steps at `factor` times their cost: each SD arm's value is `factor` times its own."""
     add = policy.price.add
     policy.price.add = lambda bs, seconds: add(bs, factor * seconds)
     return policy

@@ -105,7 +105,8 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
         """One step's metrics to every sink; advance=False logs without moving the bar (step 0: before training)."""
         if self.bar is not None:
-            self.shown.update({label: f"{metrics[k]:.3g}" for k, label in BAR_FIELDS if k in metrics})
+            self.shown.update({label: f"{metrics[k]:.3g}" if math.isfinite(metrics[k]) else "-"  # nan: no SD step
+                               for k, label in BAR_FIELDS if k in metrics})
             self.bar.set_postfix(self.shown, refresh=not advance)
             if advance:
                 self.bar.update(1)
