@@ -56,8 +56,9 @@ def test_plain_decoding_runs_first_at_a_batch_size_it_has_not_priced():
     p = _policy()
     cost = {"off": (2, 1.0), "chain2": (4, 1.6), "ngram4": (3, 1.1)}
     _drive(p, 40, lambda a: cost[a.name], bs=2)
-    assert p.choose(2) == NGRAM
-    p.observe(2, NGRAM, 3, 1.1)
+    arm = p.choose(2)
+    assert arm is not OFF
+    p.observe(2, arm, *cost[arm.name])
     assert p.choose(3) == OFF
 
 
