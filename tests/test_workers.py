@@ -129,6 +129,22 @@ def test_drafter_published_as_a_rollout_ends_is_loaded_before_it_returns(replica
     assert replica.set_drafter(new, 2) and replica.spec.drafter_version == 2
 
 
+def test_a_published_drafter_tells_the_policy_its_gain(replica):
+    """set_drafter hands the policy the publish's held-out gain (AdaptivePolicy.drafter_changed): one version's as
+    sent, two versions' composed where one replaced another before the engine took it, and None (re-try every parked
+    arm) after a version this replica never had. Control: a publish without a gain hands the policy None."""
+    gains = []
+    replica.spec.policy.drafter_changed = gains.append
+    state = replica.drafter_state()
+    assert replica.set_drafter(state, 1, gain=0.5)  # no rollout: loaded at once
+    with replica._gen_lock:  # a rollout runs: both wait for its next step boundary
+        assert replica.set_drafter(state, 2, gain=0.2) and replica.set_drafter(state, 3, gain=0.5)
+    with replica._step_lock:
+        replica._load_pending_drafter()
+    assert replica.set_drafter(state, 5, gain=0.1) and replica.set_drafter(state, 6)
+    assert gains == [0.5, pytest.approx(0.8), None, None]
+
+
 def test_policy_weights_from_state_dict(tiny_llama_dir, replica):
     blank = RolloutReplica(read_config(tiny_llama_dir), 1, cfg())
     assert blank.set_policy_weights(replica.model.state_dict()) == 1

@@ -92,6 +92,8 @@ class SpotRollout(SpotRolloutBase):
         self.tokens = {r: 0 for r in self.actors}         # each replica's buffered loss tokens (last reply)
         self.sent_version = {r: 0 for r in self.actors}   # drafter version each replica was sent
         self.drafter_version, self.drafter_ref = 0, None
+        self.drafter_gain: float | None = None            # the published drafter's gain (set_drafter)
+        self.session_gain: dict[int, float | None] = {}   # each replica's last session's held-out gain
         self._sessions: dict[int, int] = {}
         self._session_ids = itertools.count(1)
         self.on_action: Callable[[Action], None] | None = None  # observer (logging, fault-injection tests)
@@ -226,6 +228,7 @@ class SpotRollout(SpotRolloutBase):
         elif kind == "train":
             st.harvested[rid] = st.harvested.get(rid, 0.0) + res.seconds
             st.refused += int(res.steps > 0 and not res.publish)
+            self.session_gain[rid] = res.gain if res.publish else None
             self._handle(self.co.training_stopped(rid, res.steps, res.mean_step_s, publish=res.publish), st)
 
     def _died(self, rid: int, st: _Step) -> None:
@@ -266,6 +269,7 @@ class SpotRollout(SpotRolloutBase):
             self._died(a.source, st)
             return
         self.drafter_ref, self.drafter_version = ray.put(state), a.version
+        self.drafter_gain = self.session_gain.get(a.source)  # its held-out gain over the weights it started from
         st.published.append(a.version)
         generating = {r for kind, r in st.inflight.values() if kind == "gen"}
         for r in self.live():
@@ -274,7 +278,7 @@ class SpotRollout(SpotRolloutBase):
     def _push_drafter(self, rid: int, st: _Step) -> bool:
         if self.drafter_ref is None or self.sent_version[rid] >= self.drafter_version:
             return False
-        ref = self.actors[rid].set_drafter.remote(self.drafter_ref, self.drafter_version)
+        ref = self.actors[rid].set_drafter.remote(self.drafter_ref, self.drafter_version, self.drafter_gain)
         st.inflight[ref] = ("ctl", rid)
         self.sent_version[rid] = self.drafter_version
         return True

@@ -100,6 +100,14 @@ class TrainResult:
     eval_after: dict | None = None
     loss: float | None = None        # last step's loss
 
+    @property
+    def gain(self) -> float | None:
+        """The new weights' held-out accept length over the old's, less 1 (AdaptivePolicy.drafter_changed); None
+        where nothing was held out."""
+        if not (self.eval_before and self.eval_after and self.eval_before["accept_proxy"] > 0):
+            return None
+        return self.eval_after["accept_proxy"] / self.eval_before["accept_proxy"] - 1
+
 
 def build_decoder(model: str | Path | Decoder | ModelConfig, device: str, dtype: str) -> Decoder | str:
     """A Decoder, or the path for tlt.LLM to load. A ModelConfig gives a randomly initialised Decoder whose
@@ -131,7 +139,7 @@ class RolloutReplica:
                                           seed=c.seed + replica_id, ttt_steps=c.ttt_steps)
         self._step_lock, self._gen_lock, self._buffer_lock = threading.Lock(), threading.Lock(), threading.Lock()
         self._pending_lock = threading.Lock()
-        self._pending_drafter: dict[str, torch.Tensor] | None = None  # published, not yet in the engine
+        self._pending_drafter: tuple[dict, float | None] | None = None  # published (state, gain), not in the engine
         self._flags: dict[int, threading.Event] = {}
         self._flags_lock = threading.Lock()
         self._generating = self._training = False
@@ -162,17 +170,23 @@ class RolloutReplica:
         self.policy_version = self.policy_version + 1 if version is None else version
         return self.policy_version
 
-    def set_drafter(self, state: Mapping[str, torch.Tensor], version: int) -> bool:
-        """Make `state` (trainable drafter weights) drafter `version` here. The engine drafts with it from its
-        next step boundary (a running rollout picks it up between two steps; otherwise it is loaded before this
-        returns); the training copy takes it now, or after a running session. Stale -> False."""
+    def set_drafter(self, state: Mapping[str, torch.Tensor], version: int, gain: float | None = None) -> bool:
+        """Make `state` (trainable drafter weights) drafter `version` here, with `gain` its accept length over the
+        previous version's, less 1 (None: unknown; the policy re-tries every parked drafter arm). The engine drafts
+        with it from its next step boundary (a running rollout picks it up between two steps; otherwise it is
+        loaded before this returns); the training copy takes it now, or after a running session. Stale -> False."""
         if self.spec is None or self.spec.drafter is None:
             return False
         state = dict(state)
         with self._pending_lock:
             if version <= self.drafter_version:
                 return False
-            self._pending_drafter, self.drafter_version = state, version
+            if version != self.drafter_version + 1:  # versions this replica never had: their gains are unknown
+                gain = None
+            if self._pending_drafter is not None:  # replaces one not yet in the engine: the gains compose
+                last = self._pending_drafter[1]
+                gain = None if gain is None or last is None else (1 + last) * (1 + gain) - 1
+            self._pending_drafter, self.drafter_version = (state, gain), version
         if self._gen_lock.acquire(blocking=False):  # no rollout: nothing else would load it
             try:
                 with self._step_lock:
@@ -191,9 +205,9 @@ class RolloutReplica:
     def _load_pending_drafter(self) -> None:
         """Load the last drafter published since the previous call, if any (the caller holds _step_lock)."""
         with self._pending_lock:
-            state, self._pending_drafter = self._pending_drafter, None
-        if state is not None:
-            self.spec.load_drafter_state(state)
+            pending, self._pending_drafter = self._pending_drafter, None
+        if pending is not None:
+            self.spec.load_drafter_state(pending[0], gain=pending[1])
 
     def drafter_state(self) -> dict[str, torch.Tensor]:
         """The training copy's trainable weights (CPU), i.e. what the last accepted session produced."""

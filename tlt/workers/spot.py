@@ -137,7 +137,7 @@ class LocalSpotRollout(SpotRolloutBase):
             tr = self.replica.train_drafter(s.local_max_steps, rl_step, stop_flag=threading.Event())
             if tr.publish:
                 self.version += 1
-                self.replica.set_drafter(self.replica.drafter_state(), self.version)
+                self.replica.set_drafter(self.replica.drafter_state(), self.version, tr.gain)
                 published.append(self.version)
         steps = tr.steps if tr else 0
         report = SpotReport(rl_step, rollout_s, {0: 0.0}, {0: 0.0}, steps, tr.seconds if tr else 0.0, 0.0,
