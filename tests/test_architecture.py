@@ -25,8 +25,8 @@ LAYERS = (
     ("tlt", "tlt.llm", "tlt.config", "tlt.bundles", "tlt.prompts", "tlt.tasks"),  # public API and a run's inputs
     ("tlt.drafter_train",),
     ("tlt.workers",),  # Ray actors around the pieces below
-    ("tlt.rl", "tlt.report"),
-    ("tlt.plan", "tlt.bench", "tlt.cli", "tlt.__main__", "tlt.export"),  # commands that drive the rest
+    ("tlt.rl", "tlt.report", "tlt.plan"),  # the RL run, its report and its memory plan
+    ("tlt.bench", "tlt.cli", "tlt.__main__", "tlt.export"),  # commands that drive the rest
     ("tlt.vllm_plugin",),  # loaded by vLLM alone (its `vllm.general_plugins` entry point), imported by none
 )
 VLLM_PLUGIN = "tlt.vllm_plugin"  # the only package that imports vllm

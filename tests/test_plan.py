@@ -11,7 +11,7 @@ from tests.test_fsdp import CFG, _free_port, gloo_rank, make_batch, rank_rows
 from tlt.config import ActorConfig, load_config
 from tlt.models import load_model
 from tlt.models.loader import read_config
-from tlt.plan import main, memory_plan
+from tlt.plan import keeps_engine_caches, main, memory_plan
 from tlt.rl.actor import Actor
 
 
@@ -107,6 +107,19 @@ def test_colocated_counts_the_replica_weights_beside_the_ranks_engine(tiny_llama
     assert colocated.bytes("replica weights") == copy and colocated.bytes("rollout weights") == copy
     assert colocated.total - alone.total == copy
     assert "replica weights" not in [r.name for r in alone.rows]
+
+
+def test_colocated_replicas_keep_their_caches_and_graphs_where_the_gpu_holds_the_plan(tiny_llama_dir):
+    """rollout.free_cache_engine unset: a colocated replica keeps its KV caches and CUDA graphs between rollouts where
+    the GPU's memory holds the plan (which counts the KV cache in every phase), frees them where it does not or where
+    the memory is unknown; set, the key decides. Control: one byte less than the plan frees them."""
+    base = [f"model.path={tiny_llama_dir}", "trainer.placement=colocated", "data.train_batch_size=2"]
+    cfg = load_config(None, base)
+    need = memory_plan(cfg, read_config(tiny_llama_dir), 1).total
+    assert keeps_engine_caches(cfg, need) and not keeps_engine_caches(cfg, need - 1)
+    assert not keeps_engine_caches(cfg, None)
+    assert not keeps_engine_caches(load_config(None, base + ["rollout.free_cache_engine=true"]), 10 * need)
+    assert keeps_engine_caches(load_config(None, base + ["rollout.free_cache_engine=false"]), None)
 
 
 def test_unrolled_drafter_training_is_planned(tiny_llama_dir):

@@ -68,11 +68,11 @@ class RolloutConfig:
                 "rollout workers decode in it too")
     enforce_eager: bool = _f(False, "on CUDA, run decode and verification forwards eagerly instead of replaying "
                                     "captured CUDA graphs (vLLM's switch; no effect on CPU)")
-    free_cache_engine: bool = _f(True, "trainer.placement=colocated: after each rollout a replica frees its KV "
-                                       "caches, and the CUDA graphs that read them, for the update's memory (verl's "
-                                       "key); false keeps them, so the next rollout replays its graphs instead of "
-                                       "capturing them all again (the memory plan counts the KV cache in every "
-                                       "phase either way)")
+    free_cache_engine: bool | None = _f(
+        None, "trainer.placement=colocated: true = after each rollout a replica frees its KV caches, and the CUDA "
+              "graphs that read them, for the update's memory (verl's key), capturing them again at the next "
+              "rollout; false keeps them; null = keep them where the GPU's memory holds the memory plan (tlt plan, "
+              "which counts the KV cache in every phase), else free them")
     attention: Literal["auto", "sdpa", "flex"] = _f(
         "auto", "attention of decode and verification forwards: sdpa = over the KV cache's capacity (or the longest "
                 "row) under a mask; flex = PyTorch FlexAttention with a block mask over each row's own cached keys "

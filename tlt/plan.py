@@ -346,6 +346,18 @@ def main(argv: list[str] | None = None) -> int:
     return 2 if failed else 0
 
 
+def keeps_engine_caches(cfg: Config, device_memory: int | None) -> bool:
+    """Whether a colocated replica keeps its KV caches and CUDA graphs between rollouts (rollout.free_cache_engine):
+    as set, or where unset, where the device's memory (None: unknown) holds this config's memory plan, which counts
+    the KV cache in every phase, the update's included."""
+    setting = cfg.rollout.free_cache_engine
+    if setting is not None:
+        return not setting
+    if device_memory is None:
+        return False
+    return memory_plan(cfg, _model_config(cfg), _default_world(cfg)).total <= device_memory
+
+
 def _does_not_fit(role: str, plan: Plan, limit: int) -> str:
     peak = max(ALL_PHASES, key=plan.phase_bytes)
     big = max((r for r in plan.rows if r.where == "device" and peak in r.phases), key=lambda r: r.bytes)

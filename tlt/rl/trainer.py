@@ -350,9 +350,12 @@ class GRPOTrainer:
         rcfg = ReplicaConfig.from_config(self.cfg)
         rcfg.speculative = self._speculative_config()
         if t.placement != "none":  # replicas on a Ray placement group's GPU bundles (tlt/workers/placement.py)
+            from tlt.plan import keeps_engine_caches
             from tlt.workers.placement import placed_rollout_from_config
+            memory = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
             return placed_rollout_from_config(self.cfg, self.rollout_model, rcfg, SpotConfig.from_config(self.cfg),
-                                              self.tokenizer, shared_by_ranks=self.placed)
+                                              self.tokenizer, shared_by_ranks=self.placed,
+                                              free_cache_engine=not keeps_engine_caches(self.cfg, memory))
         gpu = {"num_gpus": 1} if self.device.type == "cuda" else None
         return SpotRollout(self.rollout_model, max(t.num_rollout_workers, 1), rcfg, SpotConfig.from_config(self.cfg),
                            actor_options=gpu, tokenizer=self.tokenizer)

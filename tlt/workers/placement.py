@@ -102,14 +102,17 @@ class PlacedRollout(SpotRollout):
 
 
 def placed_rollout_from_config(cfg, model, replica_cfg: ReplicaConfig, spot: SpotConfig, tokenizer=None,
-                               shared_by_ranks: bool = False) -> PlacedRollout | RankSharedRollout:
+                               shared_by_ranks: bool = False, free_cache_engine: bool | None = None
+                               ) -> PlacedRollout | RankSharedRollout:
     """The rollout `tlt train` runs under trainer.placement (the keys were checked at config load).
     shared_by_ranks: this process is a trainer rank launched on the placement group (tlt.workers.trainer_group):
     rank 0 places the replicas on that group's rollout bundles and every rank reaches them through a
-    RankSharedRollout (a collective: every rank builds one)."""
+    RankSharedRollout (a collective: every rank builds one). free_cache_engine: whether colocated replicas free their
+    caches between rollouts (tlt.plan.keeps_engine_caches decides rollout.free_cache_engine=null; None here: free
+    them unless the key is false)."""
     t = cfg.trainer
     a = assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus)
-    free = cfg.rollout.free_cache_engine
+    free = cfg.rollout.free_cache_engine is not False if free_cache_engine is None else free_cache_engine
     if not shared_by_ranks:
         return PlacedRollout(model, a, replica_cfg, spot, tokenizer=tokenizer, free_cache_engine=free)
     pg = get_current_placement_group()
