@@ -38,7 +38,7 @@ from tlt.drafter_train import compare
 from tlt.drafter_train.buffer import DrafterBuffer, DrafterSample
 from tlt.drafter_train.hook import DrafterHook
 from tlt.drafter_train.packing import PackedBatch, pack
-from tlt.drafter_train.trainer import DrafterTrainer, TargetCache, should_publish
+from tlt.drafter_train.trainer import DrafterTrainer, TargetCache, held_out_gain, should_publish
 from tlt.engine.outputs import RequestOutput
 from tlt.faults import fault_point
 from tlt.speculative.drafter import Drafter
@@ -290,7 +290,7 @@ class OnlineDrafterHook(DrafterHook):
         # the gains it multiplies up stay measured one way: each round's own held-out slice
         credited = self._published_gain if reverted else 0.0
         if publish:  # with the gain on the held-out slice: parked drafter arms get a trial only where it could pay
-            gain = None if old is None or new is None else new["accept_proxy"] / old["accept_proxy"] - 1
+            gain = held_out_gain(old, new)
             if gain is not None:  # over the engine's weights, not the snapshot's
                 gain = None if credited is None else (1 + gain) / (1 + credited) - 1
             self._publish(step, self.drafter.trainable_state_dict(), gain)

@@ -317,6 +317,14 @@ def unrolled_predictions(drafter: Drafter, hidden_in: torch.Tensor, next_ids: to
     return preds
 
 
+def held_out_gain(old: dict[str, float] | None, new: dict[str, float] | None) -> float | None:
+    """New weights' held-out accept length (evaluate's accept_proxy) over the old's, less 1: the gain a publish hands
+    the policy (AdaptivePolicy.drafter_changed); None where either was not evaluated."""
+    if not old or not new or old["accept_proxy"] <= 0:
+        return None
+    return new["accept_proxy"] / old["accept_proxy"] - 1
+
+
 def should_publish(new: dict[str, float], old: dict[str, float] | None, tol: float = 0.0) -> bool:
     """Refuse to publish a drafter whose held-out accuracy got worse than the one in use (by more than tol)."""
     return old is None or new["acc"] >= old["acc"] - tol

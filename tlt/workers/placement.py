@@ -102,23 +102,21 @@ class PlacedRollout(SpotRollout):
 
 
 def placed_rollout_from_config(cfg, model, replica_cfg: ReplicaConfig, spot: SpotConfig, tokenizer=None,
-                               shared_by_ranks: bool = False, free_cache_engine: bool | None = None
+                               shared_by_ranks: bool = False, free_cache_engine: bool = True
                                ) -> PlacedRollout | RankSharedRollout:
     """The rollout `tlt train` runs under trainer.placement (the keys were checked at config load).
     shared_by_ranks: this process is a trainer rank launched on the placement group (tlt.workers.trainer_group):
     rank 0 places the replicas on that group's rollout bundles and every rank reaches them through a
     RankSharedRollout (a collective: every rank builds one). free_cache_engine: whether colocated replicas free their
-    caches between rollouts (tlt.plan.keeps_engine_caches decides rollout.free_cache_engine=null; None here: free
-    them unless the key is false)."""
+    caches between rollouts (the trainer asks tlt.plan.keeps_engine_caches, which reads rollout.free_cache_engine)."""
     t = cfg.trainer
     a = assign_bundles(t.placement, t.nnodes, t.n_gpus_per_node, t.rollout_gpus)
-    free = cfg.rollout.free_cache_engine is not False if free_cache_engine is None else free_cache_engine
     if not shared_by_ranks:
-        return PlacedRollout(model, a, replica_cfg, spot, tokenizer=tokenizer, free_cache_engine=free)
+        return PlacedRollout(model, a, replica_cfg, spot, tokenizer=tokenizer, free_cache_engine=free_cache_engine)
     pg = get_current_placement_group()
     if pg is None:
         raise RuntimeError("a trainer rank launched by trainer.placement must run on its placement group's bundle")
     is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
     owner = PlacedRollout(model, a, replica_cfg, spot, tokenizer=tokenizer, placement_group=pg,
-                          free_cache_engine=free) if is_rank0 else None
+                          free_cache_engine=free_cache_engine) if is_rank0 else None
     return RankSharedRollout(owner)

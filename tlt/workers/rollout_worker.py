@@ -32,7 +32,7 @@ import torch
 from tlt.device import resolve_device, resolve_dtype
 from tlt.drafter_train.buffer import DrafterBuffer
 from tlt.drafter_train.online import training_copy
-from tlt.drafter_train.trainer import DrafterTrainer, should_publish
+from tlt.drafter_train.trainer import DrafterTrainer, held_out_gain, should_publish
 from tlt.engine.outputs import CompletionOutput, RequestOutput
 from tlt.engine.params import SamplingParams
 from tlt.engine.sequence import Sequence as Seq
@@ -102,11 +102,8 @@ class TrainResult:
 
     @property
     def gain(self) -> float | None:
-        """The new weights' held-out accept length over the old's, less 1 (AdaptivePolicy.drafter_changed); None
-        where nothing was held out."""
-        if not (self.eval_before and self.eval_after and self.eval_before["accept_proxy"] > 0):
-            return None
-        return self.eval_after["accept_proxy"] / self.eval_before["accept_proxy"] - 1
+        """The session's held-out gain in accept length (None: nothing held out)."""
+        return held_out_gain(self.eval_before, self.eval_after)
 
 
 def build_decoder(model: str | Path | Decoder | ModelConfig, device: str, dtype: str) -> Decoder | str:
