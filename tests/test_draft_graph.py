@@ -13,7 +13,7 @@ from tlt.speculative.draft_graph import DrafterRunner, DraftShape
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.spec_decoder import SpecDecoder
 from tlt.speculative.tree_draft import draft_chain_sampled, draft_tree
-from tlt.speculative.verify_static import GraphedAcceptance
+from tlt.speculative.verify import GraphedAcceptance
 from tlt.speculative.verify import tree_layout
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: captured drafter graphs")

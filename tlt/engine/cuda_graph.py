@@ -1,5 +1,5 @@
 """Captured CUDA graphs for the few-token forwards: the target's decode and verification, and (through GraphSet) the
-speculative step's other parts (tlt.speculative.draft_graph, verify_static) and SD's K/V commit.
+speculative step's other parts (tlt.speculative.draft_graph, verify) and SD's K/V commit.
 
 A decode step of a small model on a GPU is launch-bound: it takes about as long at batch 64 as at batch 1 (many layers
 of small kernels, each launched from Python; docs/design.md §9). As in vLLM and nano-vllm, a forward is captured

@@ -31,10 +31,9 @@ from tlt.speculative.draft_graph import CATCH_UP_LENGTHS, DrafterRunner, DraftSh
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.ngram import NgramDrafter
 from tlt.speculative.policy import DRAFTER_METHODS, Arm
-from tlt.speculative.tree_draft import draw_uniforms
-from tlt.speculative.verify import (VerifyResult, chain_to_tree, emitted_logprobs, tree_layout, uniforms_from,
+from tlt.speculative.verify import (GraphedAcceptance, VerifyResult, WalkShape, can_reserve, chain_to_tree,
+                                    draw_uniforms, emitted_logprobs, read, reserve, tree_layout, uniforms_from,
                                     verify_deterministic, verify_stochastic)
-from tlt.speculative.verify_static import GraphedAcceptance, WalkShape, can_reserve, read, reserve
 
 
 @dataclass
@@ -67,7 +66,7 @@ class SpecDecoder:
         pool = engine.graph_pool
         self.draft_graphs = DrafterRunner(self.drafter, self.dcache, static=pool is not None,
                                           capture=engine.device.type == "cuda", pool=pool) if drafter else None
-        # logits, probabilities and the acceptance walk in graphs too, read once a step (tlt.speculative.verify_static)
+        # logits, probabilities and the acceptance walk in graphs too, read once a step (tlt.speculative.verify)
         self.accept_graphs = GraphedAcceptance(self.model, engine.num_slots, capture=engine.device.type == "cuda",
                                                pool=pool) if pool is not None else None
         self.catch_up_chunk = CATCH_UP_LENGTHS[-1]  # the longest catch-up pass, in positions a row
@@ -298,7 +297,7 @@ class SpecDecoder:
         t, k = host_tensor(temp, hidden.device, torch.float32), host_tensor(top_k, hidden.device)
         walk, lp = self.accept_graphs.walk(shape, hidden, tokens, parents, valid, t, k,
                                            host_tensor(top_p, hidden.device, torch.float32), reserved.u, q)
-        return read(walk, lp, reserved)
+        return read(walk, reserved.settle, lp)
 
     def _target_logits_probs(self, seqs, hidden: torch.Tensor,
                              nodes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

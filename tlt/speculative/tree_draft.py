@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from tlt.engine.sampler import sample_from
 from tlt.speculative.drafter import Drafter
-from tlt.speculative.verify import UniformFn
 
 
 @dataclass
@@ -50,13 +49,6 @@ def _sampled_child(drafter: Drafter, pred: torch.Tensor, temperature: torch.Tens
     return drafter.to_target_ids(idx), q
 
 
-def draw_uniforms(draw: UniformFn, batch: int, depth: int) -> torch.Tensor:
-    """The uniforms of a sampled chain [B, depth], drawn level by level (all rows, then the next level): the order
-    draft_chain_sampled consumed them in when it drew at each level, so a shared generator gives the same values."""
-    rows = torch.arange(batch)
-    return torch.stack([draw(rows) for _ in range(depth)], 1) if depth else torch.zeros(batch, 0)
-
-
 @torch.inference_mode()
 def draft_chain_sampled(drafter: Drafter, dcache, root_tokens: torch.Tensor, root_pred: torch.Tensor,
                         root_pos: torch.Tensor, cache_lens: torch.Tensor, depth: int, temperature: torch.Tensor,
@@ -64,7 +56,7 @@ def draft_chain_sampled(drafter: Drafter, dcache, root_tokens: torch.Tensor, roo
     """A chain of `depth` drafts a row, each drawn from the drafter's law (not its argmax), and those laws: the
     input of Leviathan/Chen rejection sampling, whose acceptance 1 - TV(p, q) exceeds a deterministic draft's
     p(draft) where the target is spread out (temperature ~1). Arguments as for `draft_tree`; temperature [B];
-    uniforms [B, depth]: level d's draw of each row in column d - 1 (`draw_uniforms`)."""
+    uniforms [B, depth]: level d's draw of each row in column d - 1 (tlt.speculative.verify.draw_uniforms)."""
     B, dev = root_tokens.shape[0], root_tokens.device
     V = drafter.target.cfg.vocab_size
     tok, q = _sampled_child(drafter, root_pred, temperature, uniforms[:, 0], V, static)

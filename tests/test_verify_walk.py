@@ -1,16 +1,16 @@
-"""The device acceptance walk (tlt.speculative.verify_static) against the host walk (tlt.speculative.verify): the same
-paths, tokens, log-probs and generator states, for deterministic trees and rejection-sampled chains and trees; then
-through the engine."""
+"""The acceptance walk (tlt.speculative.verify) against a per-row reference walk written as the rule reads: the same
+paths, tokens, log-probs and generator states, for deterministic trees and rejection-sampled chains and trees, eagerly
+and with fixed shapes (as in a graph); then the graphed acceptance through the engine."""
 import pytest
 import torch
 
 import tlt
-from tlt.engine.sampler import HostRows, transform_logits
+from tlt.engine.sampler import HostRows, sample_from, transform_logits
 from tlt.speculative.config import SpecConfig
 from tlt.speculative.spec_decoder import SpecDecoder
-from tlt.speculative.verify import emitted_logprobs, node_depths, verify_deterministic, verify_stochastic
-from tlt.speculative.verify_static import (GraphedAcceptance, can_reserve, finish, reserve, walk_deterministic,
-                                          walk_stochastic)
+from tlt.speculative.verify import (GraphedAcceptance, VerifyResult, can_reserve, emitted_logprobs, node_depths, read,
+                                    reserve, verify_deterministic, verify_stochastic, walk_deterministic,
+                                    walk_logprobs, walk_stochastic)
 
 V = 7  # a small vocabulary: drafts hit the target's draws often, so walks run deep
 
@@ -67,27 +67,69 @@ def _gens(B, seed):
     return [torch.Generator().manual_seed(seed + b) for b in range(B)]
 
 
-def _compare(host, host_gens, device, device_gens, logits, temp):
-    result, lps = device
-    assert result.paths == host.paths and result.emitted_ids == host.emitted_ids
-    assert lps == emitted_logprobs(logits, temp, host)
-    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(host_gens, device_gens))
+def _reference(p, tokens, parents, valid, gens, q=None) -> VerifyResult:
+    """The rule as tlt.speculative.verify's docstring states it, a row at a time, each uniform drawn from the row's
+    generator when the walk needs it (q: rejection sampling)."""
+    paths, emitted = [], []
+    for b, g in enumerate(gens):
+        N = tokens.shape[1]
+        kids = {n: [m for m in range(N) if valid[b, m] and parents[b, m] == n] for n in range(N)}
+        node, path, out = 0, [0], []
+        while True:
+            target, child = p[b, node].float(), None
+            if q is None:
+                tok = int(sample_from(target[None], torch.rand(1, generator=g))[0])
+                child = next((m for m in kids[node] if int(tokens[b, m]) == tok), None)
+            else:
+                for m in kids[node]:
+                    x = int(tokens[b, m])
+                    if torch.rand(1, generator=g) * q[b, node, x] < target[x]:
+                        child = m
+                        break
+                    res = (target - q[b, node].float()).clamp(min=0)
+                    target = res / res.sum() if res.sum() > 0 else target
+                tok = int(sample_from(target[None], torch.rand(1, generator=g))[0]) if child is None \
+                    else int(tokens[b, child])
+            out.append(tok)
+            if child is None:
+                break
+            node = child
+            path.append(child)
+        paths.append(path)
+        emitted.append(out)
+    return VerifyResult(paths, emitted)
+
+
+def _check_both_walks(p, tokens, parents, valid, logits, temp, seed, q=None) -> VerifyResult:
+    """The eager rule (verify_deterministic / verify_stochastic) and the fixed-shape walk a graph runs give the
+    reference's paths and tokens, the fixed-shape walk its log-probs, and both leave each generator where it does."""
+    B, width = p.shape[0], max(1, int((parents[:, None, :] == torch.arange(p.shape[1])[None, :, None]).sum(-1).max()))
+    ref_gens = _gens(B, seed)
+    ref = _reference(p, tokens, parents, valid, ref_gens, q)
+    states = [g.get_state() for g in ref_gens]
+    eager_gens, gens = _gens(B, seed), _gens(B, seed)
+    eager = verify_deterministic(p, tokens, parents, valid, eager_gens) if q is None else \
+        verify_stochastic(p, q, tokens, parents, valid, eager_gens)
+    steps = int(node_depths(parents).max()) + 1
+    reserved = reserve(gens, steps if q is None else steps * width + 1, "cpu")
+    walk = walk_deterministic(p, tokens, parents, valid, reserved.u, steps, width) if q is None else \
+        walk_stochastic(p, q, tokens, parents, valid, reserved.u, steps, width)
+    fixed, lps = read(walk, reserved.settle, walk_logprobs(walk, logits, temp))
+    for got, got_gens in ((eager, eager_gens), (fixed, gens)):
+        assert got.paths == ref.paths and got.emitted_ids == ref.emitted_ids
+        assert all(torch.equal(a.get_state(), b) for a, b in zip(got_gens, states))
+    assert lps == emitted_logprobs(logits, temp, ref)
+    return ref
 
 
 @pytest.mark.parametrize("width", [1, 3])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_deterministic_walk_equals_the_host_walk(width, seed):
+def test_deterministic_walks_equal_the_reference(width, seed):
     B, N = 12, 9
     tokens, parents, valid = _random_trees(B, N, width, seed)
     logits, temp, p = _probs(B, N, seed, tokens=tokens, parents=parents)
-    steps = int(node_depths(parents).max()) + 1
-    host_gens = _gens(B, seed)
-    host = verify_deterministic(p, tokens, parents, valid, host_gens)
-    gens = _gens(B, seed)
-    reserved = reserve(gens, steps, "cpu")
-    walk = walk_deterministic(p, tokens, parents, valid, reserved.u, steps, width)
-    _compare(host, host_gens, finish(walk, logits, temp, reserved), gens, logits, temp)
-    assert max(len(x) for x in host.paths) >= 3
+    ref = _check_both_walks(p, tokens, parents, valid, logits, temp, seed)
+    assert max(len(x) for x in ref.paths) >= 3
 
 
 def test_a_too_narrow_children_table_is_caught():
@@ -95,36 +137,20 @@ def test_a_too_narrow_children_table_is_caught():
     B, N = 12, 9
     tokens, parents, valid = _random_trees(B, N, 3, 0)
     logits, temp, p = _probs(B, N, 0, tokens=tokens, parents=parents)
-    host = verify_deterministic(p, tokens, parents, valid, _gens(B, 0))
+    ref = _reference(p, tokens, parents, valid, _gens(B, 0))
     reserved = reserve(_gens(B, 0), N, "cpu")
-    result, _ = finish(walk_deterministic(p, tokens, parents, valid, reserved.u, N, 1), logits, temp, reserved)
-    assert result.paths != host.paths
+    result, _ = read(walk_deterministic(p, tokens, parents, valid, reserved.u, N, 1), reserved.settle)
+    assert result.paths != ref.paths
 
 
 @pytest.mark.parametrize("width", [1, 2])
-def test_stochastic_walk_equals_the_host_walk(width):
+def test_stochastic_walks_equal_the_reference(width):
     B, N = 12, 7
     tokens, parents, valid = _random_trees(B, N, width, 3)
     logits, temp, p = _probs(B, N, 3, greedy_rows=0, tokens=tokens, parents=parents)
     q = torch.softmax(torch.randn(B, N, V, generator=torch.Generator().manual_seed(4)), -1)
-    steps = int(node_depths(parents).max()) + 1
-    host_gens = _gens(B, 5)
-    counting = [_counting(g) for g in host_gens]
-    host = verify_stochastic(p, q, tokens, parents, valid, lambda rows: torch.cat([counting[r]() for r in rows]))
-    gens = _gens(B, 5)
-    reserved = reserve(gens, steps * width + 1, "cpu")
-    walk = walk_stochastic(p, q, tokens, parents, valid, reserved.u, steps, width)
-    used = [c.n for c in counting]
-    _compare(host, host_gens, finish(walk, logits, temp, reserved), gens, logits, temp)
-    assert walk.used.tolist() == used and max(used) > min(used)
-
-
-def _counting(g):
-    def draw():
-        draw.n += 1
-        return torch.rand(1, generator=g)
-    draw.n = 0
-    return draw
+    ref = _check_both_walks(p, tokens, parents, valid, logits, temp, 5, q)
+    assert max(len(x) for x in ref.paths) >= 3 and min(len(x) for x in ref.paths) == 1
 
 
 # ---- through the engine ------------------------------------------------------------------------------------------
@@ -142,9 +168,9 @@ ARMS = {"chain": dict(method="eagle", num_speculative_tokens=3),
 
 
 @pytest.mark.parametrize("kind", list(ARMS))
-def test_engine_device_walk_equals_host_walk(tiny_llama_dir, drafter_state, kind):
+def test_engine_graphed_acceptance_equals_the_eager_rule(tiny_llama_dir, drafter_state, kind):
     """Seeded sampling (temperature 1, some rows with top-k / top-p), five requests of different lengths: the device
-    walk gives the host walk's tokens and log-probs."""
+    acceptance (capture off) gives the eager rule's tokens and log-probs."""
     from tlt.speculative.drafter import Drafter
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 128, (int(L),), generator=g).tolist() for L in torch.randint(2, 20, (5,), generator=g)]
