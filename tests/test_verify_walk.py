@@ -9,8 +9,7 @@ from tlt.engine.sampler import HostRows, sample_from, transform_logits
 from tlt.speculative.config import SpecConfig
 from tlt.speculative.spec_decoder import SpecDecoder
 from tlt.speculative.verify import (GraphedAcceptance, VerifyResult, can_reserve, emitted_logprobs, node_depths, read,
-                                    reserve, verify_deterministic, verify_stochastic, walk_deterministic,
-                                    walk_logprobs, walk_stochastic)
+                                    reserve, verify_deterministic, verify_stochastic, walk, walk_logprobs)
 
 V = 7  # a small vocabulary: drafts hit the target's draws often, so walks run deep
 
@@ -112,9 +111,8 @@ def _check_both_walks(p, tokens, parents, valid, logits, temp, seed, q=None) -> 
         verify_stochastic(p, q, tokens, parents, valid, eager_gens)
     steps = int(node_depths(parents).max()) + 1
     reserved = reserve(gens, steps if q is None else steps * width + 1, "cpu")
-    walk = walk_deterministic(p, tokens, parents, valid, reserved.u, steps, width) if q is None else \
-        walk_stochastic(p, q, tokens, parents, valid, reserved.u, steps, width)
-    fixed, lps = read(walk, reserved.settle, walk_logprobs(walk, logits, temp))
+    w = walk(p, tokens, parents, valid, reserved.u, steps, width, q)
+    fixed, lps = read(w, reserved.settle, walk_logprobs(w, logits, temp))
     for got, got_gens in ((eager, eager_gens), (fixed, gens)):
         assert got.paths == ref.paths and got.emitted_ids == ref.emitted_ids
         assert all(torch.equal(a.get_state(), b) for a, b in zip(got_gens, states))
@@ -139,7 +137,7 @@ def test_a_too_narrow_children_table_is_caught():
     logits, temp, p = _probs(B, N, 0, tokens=tokens, parents=parents)
     ref = _reference(p, tokens, parents, valid, _gens(B, 0))
     reserved = reserve(_gens(B, 0), N, "cpu")
-    result, _ = read(walk_deterministic(p, tokens, parents, valid, reserved.u, N, 1), reserved.settle)
+    result, _ = read(walk(p, tokens, parents, valid, reserved.u, N, 1), reserved.settle)
     assert result.paths != ref.paths
 
 

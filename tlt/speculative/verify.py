@@ -168,55 +168,44 @@ def _take(u: torch.Tensor, walk: _Walk, rows: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def walk_deterministic(p, tokens, parents, valid, u, steps: int, width: int, static: bool = True) -> _Walk:
-    """The deterministic drafts' rule over every row for `steps` levels; u [B, >= steps] reserved uniforms.
-    static=False: eager, and it may stop once no row walks (a host read a level)."""
+def walk(p, tokens, parents, valid, u, steps: int, width: int, q=None, static: bool = True) -> _Walk:
+    """The rule over every row for `steps` levels: the deterministic drafts', or with q [B, N, V] recursive rejection
+    sampling; u [B, k] reserved uniforms (k >= steps, or steps * width + 1 with q). static=False: eager, and it
+    stops once no row walks (a host read a level)."""
     B = p.shape[0]
     ar = torch.arange(B, device=p.device)
     kids = children_table(parents, valid, width)
-    walk, cur, active = _new_walk(B, steps, p.device)
+    w, cur, active = _new_walk(B, steps, p.device)
     for step in range(steps):
         if not static and not bool(active.any()):
             break
-        tok = sample_from(p[ar, cur], _take(u, walk, active).to(p.device), static=static)
         ch = kids[ar, cur]
-        hit = (ch >= 0) & (tokens[ar[:, None], ch.clamp(min=0)] == tok[:, None])
-        child = ch.gather(1, hit.to(torch.int8).argmax(-1)[:, None])[:, 0]  # the first child holding the token
-        _emit(walk, step, active, tok, cur)
-        accepted = active & hit.any(-1)
+        if q is None:
+            tok = sample_from(p[ar, cur], _take(u, w, active).to(p.device), static=static)  # the target's draw
+            hit = (ch >= 0) & (tokens[ar[:, None], ch.clamp(min=0)] == tok[:, None])
+            child = ch.gather(1, hit.to(torch.int8).argmax(-1)[:, None])[:, 0]  # the first child holding it
+            accepted = active & hit.any(-1)
+        else:
+            target, qn = p[ar, cur].float(), q[ar, cur].float()
+            decided = torch.zeros(B, dtype=torch.bool, device=p.device)
+            child = torch.full_like(cur, -1)
+            for j in range(ch.shape[1]):
+                test = active & ~decided & (ch[:, j] >= 0)
+                x = tokens[ar, ch[:, j].clamp(min=0)]
+                ok = _take(u, w, test).to(p.device) * qn[ar, x] < target[ar, x]   # P = min(1, p(x) / q(x))
+                decided, child = decided | (test & ok), torch.where(test & ok, ch[:, j], child)
+                res = (target - qn).clamp(min=0)
+                tot = res.sum(-1, keepdim=True)
+                # tot == 0 needs p == q, where rejection has probability 0: keep the target then (rounding only)
+                residual = torch.where(tot > 0, res / tot.clamp(min=1e-30), target)
+                target = torch.where((test & ~ok)[:, None], residual, target)
+            final = sample_from(target, _take(u, w, active & ~decided).to(p.device), static=static)
+            tok = torch.where(decided, tokens[ar, child.clamp(min=0)], final)
+            accepted = active & decided
+        _emit(w, step, active, tok, cur)
         cur = torch.where(accepted, child, cur)
         active = accepted
-    return walk
-
-
-def walk_stochastic(p, q, tokens, parents, valid, u, steps: int, width: int, static: bool = True) -> _Walk:
-    """Recursive rejection sampling over every row for `steps` levels (arguments as walk_deterministic's)."""
-    B = p.shape[0]
-    ar = torch.arange(B, device=p.device)
-    kids = children_table(parents, valid, width)
-    walk, cur, active = _new_walk(B, steps, p.device)
-    for step in range(steps):
-        if not static and not bool(active.any()):
-            break
-        target, qn, ch = p[ar, cur].float(), q[ar, cur].float(), kids[ar, cur]
-        decided = torch.zeros(B, dtype=torch.bool, device=p.device)
-        child = torch.full_like(cur, -1)
-        for j in range(ch.shape[1]):
-            test = active & ~decided & (ch[:, j] >= 0)
-            x = tokens[ar, ch[:, j].clamp(min=0)]
-            ok = _take(u, walk, test).to(p.device) * qn[ar, x] < target[ar, x]   # P = min(1, p(x) / q(x))
-            decided, child = decided | (test & ok), torch.where(test & ok, ch[:, j], child)
-            res = (target - qn).clamp(min=0)
-            tot = res.sum(-1, keepdim=True)
-            # tot == 0 needs p == q, where rejection has probability 0: keep the target then (rounding only)
-            residual = torch.where(tot > 0, res / tot.clamp(min=1e-30), target)
-            target = torch.where((test & ~ok)[:, None], residual, target)
-        final = sample_from(target, _take(u, walk, active & ~decided).to(p.device), static=static)
-        _emit(walk, step, active, torch.where(decided, tokens[ar, child.clamp(min=0)], final), cur)
-        accepted = active & decided
-        cur = torch.where(accepted, child, cur)
-        active = accepted
-    return walk
+    return w
 
 
 def walk_logprobs(walk: _Walk, logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -259,7 +248,7 @@ def verify_deterministic(p: torch.Tensor, tokens: torch.Tensor, parents: torch.T
     """Verify deterministic draft trees against target probs p [B, N, V] (see module docstring)."""
     valid, steps, width = _walk_bounds(p, tokens, parents, valid)
     u, settle = _uniforms(rng, p.shape[0], steps, p.device)
-    return read(walk_deterministic(p, tokens, parents, valid, u, steps, width, static=False), settle)[0]
+    return read(walk(p, tokens, parents, valid, u, steps, width, static=False), settle)[0]
 
 
 def verify_stochastic(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
@@ -270,7 +259,7 @@ def verify_stochastic(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor, pa
                          f"into the target vocabulary first")
     valid, steps, width = _walk_bounds(p, tokens, parents, valid)
     u, settle = _uniforms(rng, p.shape[0], steps * width + 1, p.device)
-    return read(walk_stochastic(p, q, tokens, parents, valid, u, steps, width, static=False), settle)[0]
+    return read(walk(p, tokens, parents, valid, u, steps, width, q, static=False), settle)[0]
 
 
 def emitted_logprobs(logits: torch.Tensor, temperature: torch.Tensor, result: VerifyResult) -> list[list[float]]:
@@ -388,12 +377,9 @@ class GraphedAcceptance:
             rep = lambda t: t.repeat_interleave(N)  # noqa: E731  per node
             p = transform_logits(logits.view(Bp * N, V), rep(x["temperature"]), rep(x["top_k"]), rep(x["top_p"]),
                                  shape.rows).view(Bp, N, V)
-            if shape.stochastic:
-                walk = walk_stochastic(p, x["q"], x["tokens"], x["parents"], x["valid"], x["u"], shape.steps,
-                                       shape.width)
-            else:
-                walk = walk_deterministic(p, x["tokens"], x["parents"], x["valid"], x["u"], shape.steps, shape.width)
-            return walk.out_tok, walk.out_node, walk.n_out, walk.used, walk_logprobs(walk, logits, x["temperature"])
+            w = walk(p, x["tokens"], x["parents"], x["valid"], x["u"], shape.steps, shape.width,
+                     x["q"] if shape.stochastic else None)
+            return w.out_tok, w.out_node, w.n_out, w.used, walk_logprobs(w, logits, x["temperature"])
 
         out_tok, out_node, n_out, used, lp = self.set.replay(("accept", shape), tokens.shape[0], values, pad, run)
         return _Walk(out_tok, out_node, n_out, used), lp
