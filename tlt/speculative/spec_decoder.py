@@ -32,8 +32,8 @@ from tlt.speculative.drafter import Drafter
 from tlt.speculative.ngram import NgramDrafter
 from tlt.speculative.policy import DRAFTER_METHODS, Arm
 from tlt.speculative.verify import (GraphedAcceptance, VerifyResult, WalkShape, can_reserve, chain_to_tree,
-                                    draw_uniforms, emitted_logprobs, read, reserve, tree_layout, uniforms_from,
-                                    verify_deterministic, verify_stochastic)
+                                    emitted_logprobs, read, reserve, tree_layout, uniforms, verify_deterministic,
+                                    verify_stochastic)
 
 
 @dataclass
@@ -251,14 +251,13 @@ class SpecDecoder:
         sampled = self.cfg.acceptance == "rejection" and arm.method == "eagle_chain"
         # the sampled chain's draws, level by level before drafting: the rows' generators advance as they did when
         # each level drew its own
-        uniforms = host_tensor(draw_uniforms(uniforms_from(gens), len(seqs), arm.depth), n.device) \
-            if sampled else None
+        u = uniforms(gens, len(seqs), arm.depth, n.device)[0] if sampled else None  # all of them used
         width = 1 if sampled else arm.topk  # each later level's tokens a row (the root's logits: the catch-up's)
         for level in range(1, arm.depth):
             self.clock.forward("drafter", len(seqs), width, sum(s.draft_cached + level * width for s in seqs))
             self.clock.forward("draft_head", len(seqs), width, 0)
         shape = DraftShape(arm.depth, arm.topk, arm.num_draft_tokens, sampled)
-        return self.draft_graphs.draft(shape, roots, root_pred, n, max(s.num_cached for s in seqs), temp, uniforms)
+        return self.draft_graphs.draft(shape, roots, root_pred, n, max(s.num_cached for s in seqs), temp, u)
 
     # ---- verify -------------------------------------------------------------------------------------------------
     def verify(self, seqs: list[Sequence], draft: Draft, hidden: torch.Tensor) -> tuple[VerifyResult, list[list[float]]]:

@@ -56,7 +56,7 @@ def draft_chain_sampled(drafter: Drafter, dcache, root_tokens: torch.Tensor, roo
     """A chain of `depth` drafts a row, each drawn from the drafter's law (not its argmax), and those laws: the
     input of Leviathan/Chen rejection sampling, whose acceptance 1 - TV(p, q) exceeds a deterministic draft's
     p(draft) where the target is spread out (temperature ~1). Arguments as for `draft_tree`; temperature [B];
-    uniforms [B, depth]: level d's draw of each row in column d - 1 (tlt.speculative.verify.draw_uniforms)."""
+    uniforms [B, depth]: level d's draw of each row in column d - 1 (tlt.speculative.verify.uniforms)."""
     B, dev = root_tokens.shape[0], root_tokens.device
     V = drafter.target.cfg.vocab_size
     tok, q = _sampled_child(drafter, root_pred, temperature, uniforms[:, 0], V, static)

@@ -73,8 +73,7 @@ def uniforms_from(generators: Sequence[torch.Generator | None]) -> UniformFn:
 
 
 def draw_uniforms(draw: UniformFn, batch: int, count: int) -> torch.Tensor:
-    """[B, count] uniforms drawn level by level (all rows, then the next level): the order a sampled chain's levels
-    drew in when each drew its own, so a shared generator gives the same values."""
+    """[B, count] uniforms drawn level by level (all rows, then the next level)."""
     rows = torch.arange(batch)
     return torch.stack([draw(rows) for _ in range(count)], 1) if count else torch.zeros(batch, 0)
 
@@ -110,8 +109,9 @@ def reserve(generators: Sequence[torch.Generator], count: int, device) -> Reserv
     return Reserved(host_tensor(u.tolist(), device), list(generators), states)
 
 
-def _uniforms(rng: Source, batch: int, count: int, device) -> tuple[torch.Tensor, Callable[[list[int]], None]]:
-    """[B, count] uniforms for a walk from `rng`, and what settles their source once the walk has counted them."""
+def uniforms(rng: Source, batch: int, count: int, device) -> tuple[torch.Tensor, Callable[[list[int]], None]]:
+    """[B, count] uniforms from `rng` (a walk's, a sampled chain's), and what settles their source once the walk has
+    counted them (one generator a row: its k-th draw is the row's k-th uniform)."""
     if rng is not None and not callable(rng):
         if len(rng) != batch:
             raise ValueError(f"got {len(rng)} generators for {batch} rows: pass one generator (or None) per row")
@@ -247,7 +247,7 @@ def verify_deterministic(p: torch.Tensor, tokens: torch.Tensor, parents: torch.T
                          valid: torch.Tensor | None = None, rng: Source = None) -> VerifyResult:
     """Verify deterministic draft trees against target probs p [B, N, V] (see module docstring)."""
     valid, steps, width = _walk_bounds(p, tokens, parents, valid)
-    u, settle = _uniforms(rng, p.shape[0], steps, p.device)
+    u, settle = uniforms(rng, p.shape[0], steps, p.device)
     return read(walk(p, tokens, parents, valid, u, steps, width, static=False), settle)[0]
 
 
@@ -258,7 +258,7 @@ def verify_stochastic(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor, pa
         raise ValueError(f"q {tuple(q.shape)} must match p {tuple(p.shape)}: scatter a reduced draft vocabulary "
                          f"into the target vocabulary first")
     valid, steps, width = _walk_bounds(p, tokens, parents, valid)
-    u, settle = _uniforms(rng, p.shape[0], steps * width + 1, p.device)
+    u, settle = uniforms(rng, p.shape[0], steps * width + 1, p.device)
     return read(walk(p, tokens, parents, valid, u, steps, width, q, static=False), settle)[0]
 
 
