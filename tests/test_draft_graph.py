@@ -387,3 +387,79 @@ def test_sleep_drops_the_speculators_graphs(tiny_llama_dir, trained):
     assert not spec.draft_graphs.graphs and not spec.accept_graphs.set.graphs and spec.dcache.capacity == 0
     llm.engine.wake()
     assert _roll(llm) == first and spec.draft_graphs.graphs
+
+
+# ---- what a nested arm would have drafted and emitted ------------------------------------------------------------
+def _node_paths(tree, row: int) -> list[tuple]:
+    """Each node's tokens from the root's child down (node 0, the root: ())."""
+    toks, par = tree.tokens[row].tolist(), tree.parents[row].tolist()
+    out = [()]
+    for i in range(1, len(toks)):
+        out.append(out[par[i]] + (toks[i],))
+    return out
+
+
+def _peaked_targets(trees, seed: int) -> list[torch.Tensor]:
+    """Target probs [B, N, V] for each tree, a law by path from the root (the same for the same path in every
+    tree) that puts most of its mass on the children the trees drafted there, the first tree's argmax child most
+    (so the walk accepts a few levels, along the argmax chain at times)."""
+    B = trees[0].tokens.shape[0]
+    V = max(int(t.tokens.max()) for t in trees) + 8
+    g = torch.Generator().manual_seed(seed)
+    laws = []
+    for b in range(B):
+        kids: dict[tuple, set] = {}
+        for t in trees:
+            paths = _node_paths(t, b)
+            for i in range(1, len(paths)):
+                kids.setdefault(paths[i][:-1], set()).add(paths[i][-1])
+        argmax = {p for p, m in zip(_node_paths(trees[0], b), trees[0].greedy[b].tolist()) if m}
+        law = {}
+        for path in sorted(set(kids) | {p for t in trees for p in _node_paths(t, b)}):
+            logits = torch.randn(V, generator=g)
+            for x in kids.get(path, ()):
+                logits[x] += 8.0 + 2.0 * ((path + (x,)) in argmax)
+            law[path] = logits.softmax(-1)
+        laws.append(law)
+    return [torch.stack([torch.stack([laws[b][path] for path in _node_paths(t, b)]) for b in range(B)])
+            for t in trees]
+
+
+@pytest.mark.parametrize("nested", [DraftShape(4, 3, 10, False), DraftShape(3, 3, 10, False), DraftShape(3, 1, 3, False)],
+                         ids=["budget_cut", "shallower", "argmax_chain"])
+def test_a_nested_arm_emits_what_its_nesting_arms_verdict_says(model, trained, nested):
+    """The rank and greedy marks of a drafted tree say which of its nodes a nested arm (AdaptivePolicy nested_in)
+    drafts too: the best-m nodes are the tree of budget m (part of a shallower tree's), the marked nodes the argmax
+    chain as far as the tree kept it. Verified with the same draws, the nested arm emits what nested_emitted reads off the big tree's verdict (at
+    most that where the tree lacks part of the chain). Control: without the marks (every node on the path counted)
+    the count is wrong on some step."""
+    from tlt.speculative.policy import Arm
+    from tlt.speculative.spec_decoder import nested_emitted
+    from tlt.speculative.verify import verify_deterministic
+    big, drafter, B = DraftShape(4, 3, 30, False), _drafter(model, trained), 6
+    arm = Arm("nested", "eagle_tree" if nested.topk > 1 else "eagle_chain", nested.depth, nested.topk,
+              nested.num_draft_tokens)
+    wrong = 0
+    for seed in range(6):
+        roots, pred, n = _inputs(model, B, seed=10 + seed)
+        with torch.inference_mode():
+            a, _, _ = _eager(drafter, _cache(model), big, roots, pred, n, None, None)
+            b, _, _ = _eager(drafter, _cache(model), nested, roots, pred, n, None, None)
+        whole = [False] * B
+        for row in range(B):  # the nested arm's nodes are the marked ones of the big tree
+            paths_a, paths_b = _node_paths(a, row), _node_paths(b, row)
+            keep = (a.greedy[row] if nested.topk == 1 else (a.rank[row] >= 0) & (a.rank[row] < nested.num_draft_tokens))
+            marked = {paths_a[i] for i in range(1, len(paths_a)) if keep[i] and len(paths_a[i]) <= nested.depth}
+            whole[row] = marked == set(paths_b[1:])
+            assert whole[row] or (nested.depth < big.depth and marked < set(paths_b[1:]))
+        p_a, p_b = _peaked_targets([a, b], seed)
+        for t in range(4):
+            gens = lambda: [torch.Generator().manual_seed(100 * t + row) for row in range(B)]  # noqa: E731
+            ra = verify_deterministic(p_a, a.tokens, a.parents, rng=gens())
+            rb = verify_deterministic(p_b, b.tokens, b.parents, rng=gens())
+            counts = nested_emitted(arm, ra.paths, a.rank.tolist(), a.greedy.tolist())
+            for row, (c, ea, eb) in enumerate(zip(counts, ra.emitted_ids, rb.emitted_ids)):
+                assert ea[:c] == eb if whole[row] else c <= len(eb) and ea[:c - 1] == eb[:c - 1]
+            every = nested_emitted(arm, ra.paths, [[0] * a.tokens.shape[1]] * B, [[True] * a.tokens.shape[1]] * B)
+            wrong += every != counts
+    assert wrong > 0

@@ -40,6 +40,32 @@ def test_trials_first_in_table_order_then_the_fastest_arm():
     assert p.explain()["bs1-4"]["ngram4"]["state"] == "best"
 
 
+def test_nested_arms_are_judged_on_the_same_text():
+    """A deep tree's trial falls on hard text and the budget cut nested in it tries on easy text; then the text is
+    alike for both and the tree is 6% faster. Told what the cut would have emitted on the tree's steps (observe's
+    nested), and so the tree's tokens on the cut's steps by their ratio, the policy is back on the tree within the
+    rollout. Control: without it (each arm's record its own steps) it stays on the cut."""
+    big = Arm("tree8x4n16", "eagle_tree", depth=8, topk=4, num_draft_tokens=16)
+    cut = Arm("tree8x4n8", "eagle_tree", depth=8, topk=4, num_draft_tokens=8)
+
+    def run(told: bool) -> list[str]:
+        p = _policy((OFF, big, cut))
+        chosen = []
+        for i in range(300):
+            arm = p.choose(2)
+            tokens = 3.2 if i < 8 else 8.0 if i < 12 else 6.0  # the tree's tokens: hard, easy, then alike text
+            nested = {cut: 0.8 * tokens} if told and arm is big else None
+            if arm is OFF:
+                p.observe(2, arm, 2, 1.0)
+            else:
+                p.observe(2, arm, tokens if arm is big else 0.8 * tokens, 1.3 if arm is big else 1.1, nested)
+            chosen.append(arm.name)
+        return chosen
+    assert run(told=True)[4:12] == ["tree8x4n16"] * 4 + ["tree8x4n8"] * 4  # the trials, in table order
+    assert run(told=True)[-100:].count("tree8x4n16") > 90
+    assert run(told=False)[-100:].count("tree8x4n16") < 10
+
+
 def test_a_trial_at_a_large_batch_takes_one_step():
     """min_rows: one step at bs 16 holds the 16 rows a trial needs, so each arm's trial is one step there (control:
     without the row rule, min_steps steps each)."""

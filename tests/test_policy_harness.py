@@ -128,16 +128,16 @@ def _halved_price(policy):
 
 @pytest.mark.parametrize("bs, rounds", [(1, 9), (4, 3), (16, 3)])
 def test_under_a_gpu_profile_adaptive_is_near_the_best_fixed_arm_in_every_bucket(gpu, bs, rounds):
-    """In each bucket, at its batch size, adaptive's tokens per virtual second are at least 0.85x the best fixed arm's
+    """In each bucket, at its batch size, adaptive's tokens per virtual second are at least 0.95x the best fixed arm's
     (known only in hindsight, on the same batches) and above plain decoding's. Measured over six seeds of these
-    batches: 0.87-0.99x, median 0.97x (docs/results/policy_harness_seeds_cpu-zen5_2026-12-02.txt); what is lost is
-    the trials and exploration of five arms in a few hundred steps whose accept lengths vary 1-9 tokens. Control:
-    plain steps priced at half their cost (every arm looks half as good) leave adaptive below 0.85x."""
+    batches: 0.93-1.00x, median 0.99x, 17 of 18 cells at 0.95x or above
+    (docs/results/policy_harness_seeds_cpu-zen1_2026-12-02_nested.txt). Control: plain steps priced at half their
+    cost (every arm looks half as good) leave adaptive below 0.95x. (Nested arms' control: tests/test_policy.py.)"""
     ups = speedups(gpu(bs, rounds), bs)
     best = max(v for k, v in ups.items() if k != "adaptive")
-    assert ups["adaptive"] >= 0.85 * best and ups["adaptive"] >= 1.0, ups
+    assert ups["adaptive"] >= 0.95 * best and ups["adaptive"] >= 1.0, ups
     if bs == 4:
-        assert speedups(gpu(bs, rounds, _halved_price), bs)["adaptive"] < 0.85 * best
+        assert speedups(gpu(bs, rounds, _halved_price), bs)["adaptive"] < 0.95 * best
 
 
 def test_under_a_gpu_profile_adaptive_is_never_below_plain_where_no_arm_pays(target):

@@ -378,7 +378,8 @@ def test_a_step_is_priced_after_the_work_it_queued(sharp_llama, monkeypatch):
     move = ModelRunner.move_positions
     monkeypatch.setattr(ModelRunner, "move_positions", lambda self, *a: (events.append(("move",)), move(self, *a)))
     seen, observe = [], llm.spec.policy.observe
-    llm.spec.policy.observe = lambda bs, arm, tokens, seconds: (seen.append(seconds), observe(bs, arm, tokens, seconds))
+    llm.spec.policy.observe = lambda bs, arm, tokens, seconds, *a: (seen.append(seconds),
+                                                                    observe(bs, arm, tokens, seconds, *a))
     llm.generate(_prompts(128, n=2, seed=1), tlt.SamplingParams(temperature=0, max_tokens=30))
     sd_stops = [i for i, e in enumerate(events) if e == ("stop", "sd")]
     moved = [i for i, e in enumerate(events) if e == ("move",)]
@@ -398,8 +399,8 @@ def test_the_ngram_index_catch_up_is_billed_to_the_step_that_causes_it(tiny_llam
     llm = tlt.LLM(tiny_llama_dir, dtype="float32", speculative_config=dict(NGRAM, adaptive=True,
                                                                           bs_threshold=None, method="ngram"))
     seen, observe = [], llm.spec.policy.observe
-    llm.spec.policy.observe = lambda bs, arm, tokens, seconds: (seen.append((arm.method, seconds)),
-                                                                observe(bs, arm, tokens, seconds))
+    llm.spec.policy.observe = lambda bs, arm, tokens, seconds, *a: (seen.append((arm.method, seconds)),
+                                                                    observe(bs, arm, tokens, seconds, *a))
     llm.generate([[3, 7, 1, 3, 7, 1, 3, 7]], tlt.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     ngram = [s for m, s in seen if m == "ngram"]
     plain = [s for m, s in seen if m == "off"]

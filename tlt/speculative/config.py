@@ -24,14 +24,15 @@ def _ngram(n: int) -> Arm:
 
 
 def default_arm_table(table: str = "cpu") -> tuple[list[float], list[list[Arm]]]:
-    """(bucket upper bounds, arms per bucket). "gpu": fastrl's trees (depth 8, topk 4; verify budget by bucket
-    48 / 32 / 16 / 8), a depth-6 top-2 tree of half the budget (at least 8), a depth-4 chain, n-gram and off (a depth-8 chain verifies
-    as many tokens as the deep tree at the smallest budget and accepts less). "cpu", for a ~135M target on 2 cores, where a verify token costs
-    a real share of a step: chains of depth 1 and 2 and n-gram below bs 21, plain decoding above (the arms that
-    never paid there are left out: docs/results/spec_arms_cpu-zen4_2026-11-26.txt)."""
+    """(bucket upper bounds, arms per bucket), in trial order. "gpu": fastrl's trees (depth 8, topk 4; verify budget
+    by bucket 48 / 32 / 16 / 8), the same tree cut to half that budget, a depth-4 chain, n-gram and off; the deep tree
+    comes first, as its steps also say what the two arms nested in it would have emitted (policy.nested_in). "cpu",
+    for a ~135M target on 2 cores, where a verify token costs a real share of a step: chains of depth 1 and 2 and
+    n-gram below bs 21, plain decoding above (the arms that never paid there are left out:
+    docs/results/spec_arms_cpu-zen4_2026-11-26.txt)."""
     bounds = [1, 4, 20, math.inf]
     if table == "gpu":
-        return bounds, [[OFF, _ngram(8), _chain(4), _tree(8, 4, n), _tree(6, 2, max(8, n // 2))]
+        return bounds, [[OFF, _tree(8, 4, n), _tree(8, 4, n // 2), _chain(4), _ngram(8)]
                         for n in (48, 32, 16, 8)]
     if table != "cpu":
         raise ValueError(f"arm table must be 'cpu' or 'gpu', got {table!r}")

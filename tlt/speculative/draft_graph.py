@@ -127,10 +127,10 @@ class DrafterRunner:
             else:
                 tree = draft_tree(self.drafter, self.dcache, x["roots"], x["root_pred"], x["lens"], x["lens"],
                                   shape.depth, shape.topk, shape.num_draft_tokens, self.static)
-            return (tree.tokens, tree.parents, tree.q, *tree_layout(tree.parents))
+            return (tree.tokens, tree.parents, tree.q, tree.rank, tree.greedy, *tree_layout(tree.parents))
 
-        tokens, parents, q, mask, depths = self.set.replay(("draft", shape), B, values, pad, run)
-        return DraftStep(DraftTree(tokens, parents, q), mask, depths)
+        tokens, parents, q, rank, greedy, mask, depths = self.set.replay(("draft", shape), B, values, pad, run)
+        return DraftStep(DraftTree(tokens, parents, q, rank, greedy), mask, depths)
 
     # ---- the machinery ---------------------------------------------------------------------------------------------
     def _prepare(self, length: int, B: int) -> None:

@@ -5,7 +5,10 @@ strategy, or "off": plain decoding) and reports `observe(batch_size, arm, tokens
 emitted over its rows and its cost on the engine's clock. Time is injected; nothing here reads a clock.
 
 Value: an arm's speed relative to plain decoding at the same batch sizes over its last `window` steps,
-sum(tokens_i / bs_i * t(bs_i)) / sum(seconds_i), t(bs) a plain step's cost there (PlainCosts); "off" is 1.
+sum(tokens_i / bs_i * t(bs_i)) / sum(seconds_i), t(bs) a plain step's cost there (PlainCosts); "off" is 1. Nested
+arms (`nested_in`: a budget cut or a shallower tree of the same top-k, the drafter's argmax chain) are judged on the
+same text: a step of an arm reports what each arm nested in it would have emitted (`observe(..., nested)`), which
+goes on that arm's record at its own steps' cost (seconds over plain seconds at their batch sizes).
 
 Choice, at or below `bs_threshold` (above it: "off"):
   1. a trial: an arm whose record holds fewer than `min_steps` steps and `min_rows` rows since it was emptied, in
@@ -15,8 +18,8 @@ Choice, at or below `bs_threshold` (above it: "off"):
   3. the active arm of highest score, value x (1 + explore * sqrt(ln(1 + n) / its steps)), n the bucket's choices (UCB:
      the bonus decays as its steps accrue); "off" scores 1 and wins ties.
 Parking, the one mechanism for anything that stopped paying: an SD arm judged below 1 is parked (neither chosen nor
-explored) and probed (a fresh trial) once its bucket has decoded n / `probe` times the seconds it lost (n: the
-bucket's SD arms, so their probes together cost about `probe` of its time), doubled for each losing probe in a row
+explored) and probed (a fresh trial) once its bucket has decoded n / `probe` times what a probe loses (a trial's
+steps at its measured loss; n: the bucket's SD arms, so their probes together cost about `probe` of its time), doubled for each losing probe in a row
 (up to 2 ** backoff), or at once when published drafters have grown its accept length enough for it to pay
 (`drafter_changed(gain)`). `explain()` says per bucket and arm what the record holds and why it runs or not.
 """
@@ -105,7 +108,9 @@ class PlainCosts:
 class ArmRecord:
     """One arm in one bucket: its last steps, the sums its value reads, and its parking."""
     arm: Arm
-    steps: deque = field(default_factory=deque)  # (bs, tokens, seconds)
+    steps: deque = field(default_factory=deque)  # (bs, tokens, seconds), its own or read off a nesting arm's
+    own: deque = field(default_factory=deque)    # its own steps' (plain price, seconds): what a step costs it
+    pairs: dict = field(default_factory=dict)    # nesting arm -> deque of (its tokens, that arm's) on that arm's steps
     seconds: float = 0.0
     rows: int = 0                    # its steps' batch sizes summed
     sums: dict[int, list] = field(default_factory=dict)  # batch size -> [steps, sum of tokens / bs]
@@ -118,12 +123,21 @@ class ArmRecord:
     probing: bool = False            # active for a probe (judged at the end of its trial)
     cached: tuple = (-1, 0.0)        # (prices' version, value) of the record as it is
 
-    def add(self, step: tuple, window: int) -> None:
+    def add(self, step: tuple, window: int, price: float | None = None) -> None:
+        """A step on record; price: a plain step's seconds at its batch size, for one of its own."""
         while len(self.steps) >= window:
             self.drop_oldest()
         self.steps.append(step)
         self._count(step, 1)
         self.cached = (-1, 0.0)
+        if price is not None:
+            if len(self.own) >= window:
+                self.own.popleft()
+            self.own.append((price, step[2]))
+
+    def cost(self) -> float | None:
+        """Its steps' seconds over plain steps' at their batch sizes (None before one of its own)."""
+        return sum(s for _, s in self.own) / sum(p for p, _ in self.own) if self.own else None
 
     def drop_oldest(self) -> None:
         step = self.steps.popleft()
@@ -145,6 +159,18 @@ class ArmRecord:
     def keep_last(self, n: int) -> None:
         while len(self.steps) > n:
             self.drop_oldest()
+        for d in (self.own, *self.pairs.values()):
+            while len(d) > n:
+                d.popleft()
+
+    def pair(self, head: Arm, tokens: float, head_tokens: float, window: int) -> None:
+        d = self.pairs.setdefault(head, deque(maxlen=window))
+        d.append((tokens, head_tokens))
+
+    def ratio(self, head: Arm) -> float | None:
+        """Its tokens over the nesting arm's on that arm's recent steps (None before one)."""
+        d = self.pairs.get(head)
+        return sum(t for t, _ in d) / max(sum(h for _, h in d), 1e-12) if d else None
 
     def unpark(self) -> None:
         """A probe: active again with an empty record (a fresh trial)."""
@@ -159,6 +185,10 @@ class Bucket:
     arms: list[ArmRecord]
     choices: int = 0      # choices made there (the exploration bonus's log)
     since_off: int = 0    # choices since "off" was chosen (refresh)
+
+    def nested(self, arm: Arm) -> list[Arm]:
+        """The bucket's arms whose drafts are among `arm`'s on every step (nested_in)."""
+        return [r.arm for r in self.arms if nested_in(r.arm, arm)]
 
     @property
     def name(self) -> str:
@@ -236,8 +266,14 @@ class AdaptivePolicy:
         return off if off is not None and self.value(best) <= 1.0 else best
 
     # ---- observing ----------------------------------------------------------------------------------------------
-    def observe(self, bs: int, arm: Arm, tokens: float, seconds: float) -> None:
-        """A step of `arm` at batch size bs emitted `tokens` over its rows in `seconds`."""
+    def nested(self, bs: int, arm: Arm) -> list[Arm]:
+        """The arms whose tokens on a step of `arm` at bs observe wants (`nested`): its bucket's nested in it."""
+        return [] if self.bs_threshold is not None and bs > self.bs_threshold else self.bucket(bs).nested(arm)
+
+    def observe(self, bs: int, arm: Arm, tokens: float, seconds: float,
+                nested: dict[Arm, float] | None = None) -> None:
+        """A step of `arm` at batch size bs emitted `tokens` over its rows in `seconds`; nested: the tokens each arm
+        nested in it would have emitted on this step (the same text: arms are compared on the same steps)."""
         if arm.method == "off":
             self.price.add(bs, seconds)
         if self.bs_threshold is not None and bs > self.bs_threshold:
@@ -249,7 +285,17 @@ class AdaptivePolicy:
                 if r.waited >= r.parked_for:
                     r.unpark()
         rec = next(r for r in b.arms if r.arm == arm)
-        rec.add((bs, tokens, seconds), self.window)
+        rec.add((bs, tokens, seconds), self.window, self.price(bs) if self.price else None)
+        for r in b.arms if arm.method != "off" and self.price else ():
+            cost = r.cost()
+            if r.arm in (nested or ()):
+                r.pair(arm, nested[r.arm], tokens, self.window)
+            if r.parked_for is not None or cost is None:
+                continue
+            if r.arm in (nested or ()):  # what it would have emitted here, at its own steps' cost
+                r.add((bs, nested[r.arm], cost * self.price(bs)), self.window)
+            elif nested_in(arm, r.arm) and rec.ratio(r.arm):  # the nesting arm's tokens here by their recent ratio
+                r.add((bs, tokens / rec.ratio(r.arm), cost * self.price(bs)), self.window)
         if arm.method != "off" and self._tried(rec) and off_in(b):
             self._judge(rec, sum(r.arm.method != "off" for r in b.arms))
 
@@ -263,7 +309,10 @@ class AdaptivePolicy:
             return
         if rec.probing:
             rec.misses += 1
-        wait = rec.seconds * (1.0 - max(value, 0.0)) * arms / self.probe if self.probe else math.inf
+        # what a probe (a trial) loses: its own steps' mean seconds, over a trial's steps at its mean batch size
+        trial = min(self.min_steps, math.ceil(self.min_rows * len(rec.steps) / max(rec.rows, 1)))
+        lost = sum(s for _, s in rec.own) / max(len(rec.own), 1) * trial * (1.0 - max(value, 0.0))
+        wait = lost * arms / self.probe if self.probe else math.inf
         rec.parked_for, rec.waited, rec.probing = wait * 2 ** min(rec.misses, self.backoff), 0.0, False
         rec.parked_value, rec.grown = value, 1.0
 
@@ -302,6 +351,14 @@ class AdaptivePolicy:
                 f"parked: probe in {max(r.parked_for - r.waited, 0):.3g} s (after {r.misses} misses)"}
                 for r in b.arms}
         return out
+
+
+def nested_in(b: Arm, a: Arm) -> bool:
+    """Whether arm b's drafts are among arm a's on every step, so that a's verdict says what b would have emitted:
+    both draft with the drafter, b no deeper and of no larger budget, and b a chain (the drafter's argmax chain,
+    DraftTree.greedy) or a tree of a's top-k (its budget's best nodes, DraftTree.rank)."""
+    return (b != a and b.method in DRAFTER_METHODS and a.method in DRAFTER_METHODS and b.depth <= a.depth
+            and b.num_draft_tokens <= a.num_draft_tokens and b.topk in (1, a.topk))
 
 
 def off_in(b: Bucket) -> ArmRecord | None:

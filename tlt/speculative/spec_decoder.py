@@ -47,6 +47,8 @@ class Draft:
     depths: torch.Tensor                # [B, N] node depth (position = num_cached + depth)
     q: torch.Tensor | None = None       # [B, N, V] the law sampled drafts were drawn from (rejection sampling)
     nodes: torch.Tensor | None = None   # [B, N] bool: the tokens the verify forward must compute (None: all)
+    rank: torch.Tensor | None = None    # [B, N] top-k drafts' places by score, and their argmax chain (DraftTree)
+    greedy: torch.Tensor | None = None
 
 
 class SpecDecoder:
@@ -72,6 +74,8 @@ class SpecDecoder:
         self.catch_up_chunk = CATCH_UP_LENGTHS[-1]  # the longest catch-up pass, in positions a row
         self.drafter_version = 0
         self._rebuild = False  # the next drafter step rebuilds the running rows' drafter caches (a publish)
+        self._nested: dict[Arm, list[int]] = {}  # the step's nested arms' tokens a row (verify -> observe)
+        self._before: list[int] = []             # the rows' output lengths before the step
         self.reset_stats()
         engine.attach_speculator(self, slot_caches=(self.dcache,) if self.dcache is not None else (),
                                  headroom=cfg.cache_headroom(), hidden_records=drafter is not None)
@@ -152,6 +156,7 @@ class SpecDecoder:
         engine's clock). A step that captured a CUDA graph, or the first drafter step after a publish mid-rollout
         (it rebuilds every row's drafter cache), is not the arm's cost and is not given to the policy."""
         bs, st = len(seqs), self.st
+        nested, self._nested = self._nested, {}
         tail = self.cfg.bs_threshold is None or bs <= self.cfg.bs_threshold
         st["tail_time_s" if tail else "bulk_time_s"] += seconds
         st["decode_steps"] += 1
@@ -172,7 +177,9 @@ class SpecDecoder:
                 st["drafter_step_time_s"] += seconds
                 st["drafter_plain_equiv_s"] += plain
         if not rebuilt:  # a step that rebuilt every row's drafter cache (after a publish) is not the arm's cost
-            self.policy.observe(bs, arm, emitted, seconds)
+            kept = [len(s.output_ids) - n for s, n in zip(seqs, self._before)]  # a row's tokens before its stop
+            self.policy.observe(bs, arm, emitted, seconds,
+                                {a: sum(map(min, counts, kept)) for a, counts in nested.items()})
 
     def load_drafter_state(self, state: dict[str, torch.Tensor], gain: float | None = None) -> None:
         """Publish new drafter weights into this engine, also mid-rollout (exactness never depends on them). gain:
@@ -203,7 +210,7 @@ class SpecDecoder:
         drafted = self._draft(seqs, arm, roots, root_pred, n, temp, [s.generator for s in seqs])
         tree = drafted.tree  # a drafted tree has every node valid
         return Draft(arm, tree.tokens, tree.parents, torch.ones_like(tree.tokens, dtype=torch.bool), drafted.mask,
-                     drafted.depths, tree.q)
+                     drafted.depths, tree.q, rank=tree.rank, greedy=tree.greedy)
 
     # ---- the drafter's cache and drafts ---------------------------------------------------------------------
     def _drafter_catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -276,7 +283,18 @@ class SpecDecoder:
             temp = host_tensor([s.params.temperature for s in seqs], hidden.device)
             lps = emitted_logprobs(logits, temp, result)
         self._record(seqs, draft.arm, result)
+        self._nested = self._nested_accepts(seqs, draft, result)
         return result, lps
+
+    def _nested_accepts(self, seqs: list[Sequence], draft: Draft, result: VerifyResult) -> dict[Arm, list[int]]:
+        """For each arm nested in the step's (AdaptivePolicy.nested): the tokens it would have emitted a row on this
+        step (nested_emitted), before the row's stop (observe applies that)."""
+        nested = self.policy.nested(len(seqs), draft.arm) if draft.rank is not None else []
+        if not nested:
+            return {}
+        self._before = [len(s.output_ids) for s in seqs]
+        rank, greedy = draft.rank.tolist(), draft.greedy.tolist()
+        return {arm: nested_emitted(arm, result.paths, rank, greedy) for arm in nested}
 
     def _walks_on_device(self, gens, q) -> bool:
         """The graphed walk stands in for the default rules only (tests inject others), with a generator a row."""
@@ -328,6 +346,22 @@ class SpecDecoder:
             for d in range(1, arm.depth + 1):
                 a = st["accept_by_pos"][d]
                 a[0] += int(len(path) - 1 >= d); a[1] += 1
+
+
+def nested_emitted(arm: Arm, paths: list[list[int]], rank: list[list[int]], greedy: list[list[bool]]) -> list[int]:
+    """The tokens `arm` would have emitted a row had it drafted on a step whose drafts held its own (nested_in), from
+    that step's accepted paths and its drafts' rank and greedy marks (DraftTree): the path's nodes that it drafts
+    too, then one token. The same draws decide each level either way: a level's sample is kept where the arm drafted
+    it, else it is the arm's own last token. (Where the drafts lacked part of the arm's chain, a lower bound.)"""
+    out = []
+    for path, ranks, marks in zip(paths, rank, greedy):
+        m = 0
+        for node in path[1:arm.depth + 1]:
+            if not (marks[node] if arm.topk == 1 else ranks[node] < arm.num_draft_tokens):
+                break
+            m += 1
+        out.append(m + 1)
+    return out
 
 
 def _sampling_rows(seqs: list[Sequence]) -> tuple[list[float], list[int], list[float]]:

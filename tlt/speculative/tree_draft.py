@@ -23,6 +23,9 @@ class DraftTree:
     parents: torch.Tensor  # [B, N + 1] parent node index, -1 for the root; parents come before children
     q: torch.Tensor | None = None  # sampled chains: [B, N + 1, V] the target-vocabulary law node n's child was drawn
                                    # from (zero for the last node), for rejection sampling (verify_stochastic)
+    rank: torch.Tensor | None = None    # top-k drafts: [B, N + 1] node n's place by score (0 best; the root -1): a
+                                        # budget of m drafts from the same pool keeps the nodes of rank < m
+    greedy: torch.Tensor | None = None  # top-k drafts: [B, N + 1] bool, node n on the drafter's argmax chain
 
 
 def _top_children(drafter: Drafter, pred: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +90,8 @@ def draft_tree(drafter: Drafter, dcache, root_tokens: torch.Tensor, root_pred: t
     pool_tok, pool_score = [tok[:, 0]], [val[:, 0]]                        # lists of [B, k] / [B, k*k] blocks
     pool_parent = [torch.full((B, topk), -1, dtype=torch.long, device=dev)]
     pool_depth = [1]
+    first = torch.arange(topk, device=dev) == 0                          # a child of top-1 log-prob
+    flat_greedy = first.expand(B, topk)                                   # on the argmax chain
     # frontier: pool indices [B, k], their predicted-hidden inputs [B, k, H], their ancestor masks over spec cols
     front = torch.arange(topk, device=dev).expand(B, topk)
     front_hidden = root_pred[:, None].expand(B, topk, root_pred.shape[-1])
@@ -105,6 +110,7 @@ def draft_tree(drafter: Drafter, dcache, root_tokens: torch.Tensor, root_pred: t
         pool_parent.append(front[:, :, None].expand(B, topk, topk).flatten(1))
         pool_depth.append(level)
         flat_tok, flat_score = torch.cat([flat_tok, tok.flatten(1)], 1), torch.cat([flat_score, score.flatten(1)], 1)
+        flat_greedy = torch.cat([flat_greedy, (flat_greedy.gather(1, front)[:, :, None] & first).flatten(1)], 1)
         if level == depth:
             break
         best = score.flatten(1).topk(topk, dim=-1).indices                 # next frontier within this level
@@ -127,5 +133,8 @@ def draft_tree(drafter: Drafter, dcache, root_tokens: torch.Tensor, root_pred: t
     par = parents.gather(1, sel)
     par_node = torch.where(par < 0, 0, node_of.gather(1, par.clamp(min=0)))
     tree_tokens = torch.cat([root_tokens[:, None], tokens.gather(1, sel)], 1)
-    tree_parents = torch.cat([torch.full((B, 1), -1, device=dev, dtype=torch.long), par_node], 1)
-    return DraftTree(tree_tokens, tree_parents)
+    root = torch.full((B, 1), -1, device=dev, dtype=torch.long)
+    tree_parents = torch.cat([root, par_node], 1)
+    # sel was in score order before the sort: node j + 1 came from score place order[j]
+    return DraftTree(tree_tokens, tree_parents, rank=torch.cat([root, order], 1),
+                     greedy=torch.cat([root >= 0, flat_greedy.gather(1, sel)], 1))
