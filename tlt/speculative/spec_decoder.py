@@ -177,7 +177,7 @@ class SpecDecoder:
                 st["drafter_step_time_s"] += seconds
                 st["drafter_plain_equiv_s"] += plain
         if not rebuilt:  # a step that rebuilt every row's drafter cache (after a publish) is not the arm's cost
-            kept = [len(s.output_ids) - n for s, n in zip(seqs, self._before)]  # a row's tokens before its stop
+            kept = [len(s.output_ids) - n for s, n in zip(seqs, self._before)] if nested else []  # before a stop
             self.policy.observe(bs, arm, emitted, seconds,
                                 {a: sum(map(min, counts, kept)) for a, counts in nested.items()})
 
