@@ -8,7 +8,8 @@ Value: an arm's speed relative to plain decoding at the same batch sizes over it
 sum(tokens_i / bs_i * t(bs_i)) / sum(seconds_i), t(bs) a plain step's cost there (PlainCosts); "off" is 1. Nested
 arms (`nested_in`: a budget cut or a shallower tree of the same top-k, the drafter's argmax chain) are judged on the
 same text: a step of an arm reports what each arm nested in it would have emitted (`observe(..., nested)`), which
-goes on that arm's record at its own steps' cost (seconds over plain seconds at their batch sizes).
+goes on that arm's record at its own steps' cost (seconds over plain seconds at their batch sizes); a nested arm's
+own steps go on the nesting arm's record scaled by their token ratio on its recent steps.
 
 Choice, at or below `bs_threshold` (above it: "off"):
   1. a trial: an arm whose record holds fewer than `min_steps` steps and `min_rows` rows since it was emptied, in
@@ -19,8 +20,8 @@ Choice, at or below `bs_threshold` (above it: "off"):
      the bonus decays as its steps accrue); "off" scores 1 and wins ties.
 Parking, the one mechanism for anything that stopped paying: an SD arm judged below 1 is parked (neither chosen nor
 explored) and probed (a fresh trial) once its bucket has decoded n / `probe` times what a probe loses (a trial's
-steps at its measured loss; n: the bucket's SD arms, so their probes together cost about `probe` of its time), doubled for each losing probe in a row
-(up to 2 ** backoff), or at once when published drafters have grown its accept length enough for it to pay
+steps at its measured loss; n: the bucket's SD arms, so their probes together cost about `probe` of its time),
+doubled for each losing probe in a row (up to 2 ** backoff), or at once when published drafters have grown its accept length enough for it to pay
 (`drafter_changed(gain)`). `explain()` says per bucket and arm what the record holds and why it runs or not.
 """
 from __future__ import annotations
