@@ -425,12 +425,14 @@ def _peaked_targets(trees, seed: int) -> list[torch.Tensor]:
             for t in trees]
 
 
-@pytest.mark.parametrize("nested", [DraftShape(4, 3, 10, False), DraftShape(3, 3, 10, False), DraftShape(3, 1, 3, False)],
+@pytest.mark.parametrize("nested", [DraftShape(4, 3, 10, False), DraftShape(3, 3, 10, False),
+                                    DraftShape(3, 1, 3, False)],
                          ids=["budget_cut", "shallower", "argmax_chain"])
 def test_a_nested_arm_emits_what_its_nesting_arms_verdict_says(model, trained, nested):
     """The rank and greedy marks of a drafted tree say which of its nodes a nested arm (AdaptivePolicy nested_in)
     drafts too: the best-m nodes are the tree of budget m (part of a shallower tree's), the marked nodes the argmax
-    chain as far as the tree kept it. Verified with the same draws, the nested arm emits what nested_emitted reads off the big tree's verdict (at
+    chain as far as the tree kept it. Verified with the same draws, the nested arm emits what nested_emitted reads
+    off the big tree's verdict (at
     most that where the tree lacks part of the chain). Control: without the marks (every node on the path counted)
     the count is wrong on some step."""
     from tlt.speculative.policy import Arm

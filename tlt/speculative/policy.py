@@ -21,7 +21,8 @@ Choice, at or below `bs_threshold` (above it: "off"):
 Parking, the one mechanism for anything that stopped paying: an SD arm judged below 1 is parked (neither chosen nor
 explored) and probed (a fresh trial) once its bucket has decoded n / `probe` times what a probe loses (a trial's
 steps at its measured loss; n: the bucket's SD arms, so their probes together cost about `probe` of its time),
-doubled for each losing probe in a row (up to 2 ** backoff), or at once when published drafters have grown its accept length enough for it to pay
+doubled for each losing probe in a row (up to 2 ** backoff), or at once when published drafters have grown its
+accept length enough for it to pay
 (`drafter_changed(gain)`). `explain()` says per bucket and arm what the record holds and why it runs or not.
 """
 from __future__ import annotations
