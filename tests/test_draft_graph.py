@@ -432,9 +432,8 @@ def test_a_nested_arm_emits_what_its_nesting_arms_verdict_says(model, trained, n
     """The rank and greedy marks of a drafted tree say which of its nodes a nested arm (AdaptivePolicy nested_in)
     drafts too: the best-m nodes are the tree of budget m (part of a shallower tree's), the marked nodes the argmax
     chain as far as the tree kept it. Verified with the same draws, the nested arm emits what nested_emitted reads
-    off the big tree's verdict (at
-    most that where the tree lacks part of the chain). Control: without the marks (every node on the path counted)
-    the count is wrong on some step."""
+    off the big tree's verdict (at most that where the tree lacks part of the chain). Control: without the marks
+    (every node on the path counted) the count is wrong on some step."""
     from tlt.speculative.policy import Arm
     from tlt.speculative.spec_decoder import nested_emitted
     from tlt.speculative.verify import verify_deterministic
