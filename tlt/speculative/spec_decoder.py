@@ -293,7 +293,7 @@ class SpecDecoder:
         if not nested:
             return {}
         self._before = [len(s.output_ids) for s in seqs]
-        rank, greedy = draft.rank.tolist(), draft.greedy.tolist()
+        rank, greedy = torch.stack([draft.rank, draft.greedy.long()]).tolist()  # one read of the device
         return {arm: nested_emitted(arm, result.paths, rank, greedy) for arm in nested}
 
     def _walks_on_device(self, gens, q) -> bool:
@@ -352,7 +352,8 @@ def nested_emitted(arm: Arm, paths: list[list[int]], rank: list[list[int]], gree
     """The tokens `arm` would have emitted a row had it drafted on a step whose drafts held its own (nested_in), from
     that step's accepted paths and its drafts' rank and greedy marks (DraftTree): the path's nodes that it drafts
     too, then one token. The same draws decide each level either way: a level's sample is kept where the arm drafted
-    it, else it is the arm's own last token. (Where the drafts lacked part of the arm's chain, a lower bound.)"""
+    it, else it is the arm's own last token. (A lower bound where the drafts lacked some of the arm's nodes: part of
+    its chain, or a shallower tree's nodes ranked below the budget among deeper ones.)"""
     out = []
     for path, ranks, marks in zip(paths, rank, greedy):
         m = 0
