@@ -139,6 +139,30 @@ def test_small_gemm_only_for_fp32_small_rows_without_autograd():
             pass
 
 
+def test_a_dtype_onednn_cannot_prepack_leaves_the_others_on_onednn(monkeypatch):
+    """On a CPU without bf16 support oneDNN refuses to prepack bf16 weights: bf16 falls back to F.linear, fp32 weights
+    still take oneDNN, whichever dtype came first. Control: a global off switch fails the fp32 asserts."""
+    if not _can_pack(torch.float32):
+        pytest.skip("no oneDNN fp32 prepacking here")
+    monkeypatch.setitem(kernels._state, "onednn", {})
+    real = kernels._pack
+
+    def refuse_bf16(weight, path):
+        if path == "onednn" and weight.dtype == torch.bfloat16:
+            raise RuntimeError("no bf16 prepacking on this CPU")
+        return real(weight, path)
+
+    monkeypatch.setattr(kernels, "_pack", refuse_bf16)
+    wb, w32 = torch.randn(8, 4).to(torch.bfloat16), torch.randn(8, 4)
+    with kernels.backend("onednn"), torch.inference_mode():
+        assert torch.equal(linear(torch.ones(2, 4, dtype=torch.bfloat16), wb),
+                           F.linear(torch.ones(2, 4, dtype=torch.bfloat16), wb))
+        assert kernels.matmul_path(torch.ones(2, 4, dtype=torch.bfloat16), wb) == "torch"
+        assert kernels.matmul_path(torch.ones(2, 4), w32) == "onednn"
+        linear(torch.ones(2, 4), w32)
+    assert (id(w32), "onednn") in kernels._PACKED
+
+
 @pytest.mark.parametrize("path,dtype", [("onednn", torch.bfloat16), ("onednn", torch.float32),
                                         ("small_gemm", torch.float32)])
 def test_packed_weight_follows_in_place_updates(path, dtype):

@@ -31,6 +31,7 @@ from tlt.device import cpu_has_fast_bf16
 from tlt.engine.cuda_graph import ROUND, bucket
 from tlt.models.config import ModelConfig
 from tlt.models.decoder import Decoder
+from tlt.models.kernels import keeps_packed_copy
 from tlt.models.loader import read_config
 from tlt.models.smollm import default_model_path
 from tlt.rl.tiny_model import tiny_random_model_path
@@ -157,7 +158,8 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
     if a.use_kl_loss:
         rows.append(Row("reference model", numel * width, "actor.use_kl_loss", where=where))
     rollout_width = 2 if cfg.rollout_dtype() == "bfloat16" else 4
-    if cfg.rollout_dtype() != cfg.policy_dtype() or fsdp:  # the engine decodes its own full copy
+    copy = cfg.rollout_dtype() != cfg.policy_dtype() or fsdp  # the engine decodes its own full copy
+    if copy:
         rows.append(Row("rollout weights", full_numel * rollout_width, "rollout.dtype"))
     if cfg.trainer.placement == "colocated":  # the GPU's rollout replica, a process of its own, has its own copy
         rows.append(Row("replica weights", full_numel * rollout_width, "trainer.placement=disaggregated"))
@@ -191,10 +193,11 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
                     "actor.logprob_chunk_tokens, actor.ppo_max_token_len or data.max_response_length "
                     "(or actor.gradient_checkpointing)", phases=update))
     # no graph: one layer's transients, then the logits and their log-softmax. The old log-probs are recomputed
-    # for the rows after the first mini-batch (its own come from the update: actor.on_policy_logprobs)
+    # where the engine decodes its own copy or rollout.recompute_logprobs asks (GRPOTrainer.old_log_probs), for the
+    # rows after the first mini-batch (its own come from the update: actor.on_policy_logprobs)
     first = prompts_per_rank // _num_mini_batches(cfg) if a.on_policy_logprobs else 0
-    for phase, groups in (("old_log_prob", prompts_per_rank - first), ("ref_log_prob", prompts_per_rank))[
-            :1 + a.use_kl_loss]:
+    forwards = [("old_log_prob", prompts_per_rank - first)] if copy or cfg.rollout.recompute_logprobs else []
+    for phase, groups in forwards + [("ref_log_prob", prompts_per_rank)] * a.use_kl_loss:
         f_tokens, f_resp = largest_micro_batch(cfg, max(groups, 1), P)
         f_chunk = min(f_resp, a.logprob_chunk_tokens or f_resp)
         rows.append(Row(f"{phase.split('_')[0]} log-prob forward", f_tokens * per_layer + 2 * f_chunk * V * 4,
@@ -210,25 +213,27 @@ def memory_plan(cfg: Config, model_cfg: ModelConfig, world: int, prompts_per_ran
     # growing the cache copies it: the last growth holds the old cache (one rounding step shorter) beside the new
     rows.append(Row("kv cache growth", kv * (capacity - step) // capacity, "rollout.max_num_seqs",
                     phases=("rollout",)))
-    copy = cfg.rollout_dtype() != cfg.policy_dtype() or fsdp
-    if not on_cuda:  # tlt.models.kernels: a packed copy of each weight an inference matmul on CPU reads
-        packed = linear_numel * rollout_width                                    # the engine's decode
+    # tlt.models.kernels: on CPU, a packed copy of each weight an inference matmul reads, where its path packs
+    running = min(cfg.rollout.max_num_seqs, responses)
+    decode_packs = not on_cuda and keeps_packed_copy(getattr(torch, cfg.rollout_dtype()), running)
+    if not on_cuda:
+        packed = linear_numel * rollout_width * decode_packs  # the engine's decode
         recompute = (copy or cfg.rollout.recompute_logprobs) and \
             (_num_mini_batches(cfg) > 1 or not a.on_policy_logprobs or a.ppo_epochs > 1)
         # the trainer's no-graph forwards (old log-probs, the reference model) pack full weights: under FSDP the
-        # gathered ones, whose parameter objects outlive each gather
-        packed += linear_numel * width * (int(recompute) + int(a.use_kl_loss))
+        # gathered ones, whose parameter objects outlive each gather; a micro-batch's tokens are its rows
+        packed += linear_numel * width * (int(recompute) + int(a.use_kl_loss)) * \
+            keeps_packed_copy(getattr(torch, cfg.policy_dtype()), tokens)
         rows.append(Row("packed weight copies", packed, "model.device (CPU inference kernels)", phases=STEP_PHASES))
     s = cfg.speculative
     if s.enabled and s.method == "eagle":  # one decoder layer and the fc fusing (embedding, hidden state)
         drafter = layer_numel + 2 * H * H
         per = 4 * (1 + 1 + ADAM_STATES) if cfg.drafter_train.enabled else rollout_width
         draft_kv = _kv_bytes(cfg, m, responses, capacity, 1, graphs)  # its own one-layer cache, the target's length
-        rows.append(Row("drafter", drafter * per + draft_kv + drafter * rollout_width * (not on_cuda),
+        rows.append(Row("drafter", drafter * per + draft_kv + drafter * rollout_width * decode_packs,
                         "speculative.enabled"))
         # the speculator's record of the target's hidden states, per running row its whole length with the headroom
         # in the engine's dtype (Sequence.hidden_record, kept by the engine for its drafter), held while the rows decode
-        running = min(cfg.rollout.max_num_seqs, responses)
         rows.append(Row("hidden-state records", running * (P + R + headroom) * H * rollout_width,
                         "rollout.max_num_seqs or data.max_response_length", phases=("rollout",)))
         if cfg.drafter_train.enabled:  # hidden states kept from the rollout (bf16), FIFO-capped

@@ -9,7 +9,8 @@
   fp32 accumulation, the output rounded once). With TLT_BF16_AMX=1 (opt-in, docs/design.md §9) the same call runs
   on AMX's tile unit for the whole process, never mixed with vdpbf16ps (their last bits differ);
   ONEDNN_MAX_CPU_ISA without AMX keeps it off; `bf16_amx(on)` sets it inside a block.
-- bf16 otherwise: a oneDNN-prepacked weight, bit-identical to F.linear. fp32 under backend("onednn"): oneDNN's.
+- bf16 otherwise, and fp32 past SMALL_GEMM_MAX_ROWS on AVX-512 or under backend("onednn"): a oneDNN-prepacked
+  weight (bf16 bit-identical to F.linear), where this torch build and CPU can prepack the dtype.
 - otherwise, and always under autograd: F.linear.
 Contract: the small-row kernels' rows do not depend on the batch, bit for bit (the invariant rule's seeded equality,
 §7, relies on it); a prefetch of the next panel (`prefetch_min_rows`, by CPU vendor) changes no bit. A packed copy is
@@ -55,7 +56,8 @@ _SRCS = [_CSRC / name for name in ("small_gemm.c", "small_gemm_bf16.c", "cached_
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _PACKED: dict[tuple[int, str], tuple] = {}  # (id(weight), path) -> (weakref, data_ptr, version, packed)
 # lib: None = not tried yet, False = unavailable; amx: whether the bf16 kernel runs on AMX tiles
-_state = {"backend": "auto", "onednn": True, "lib": None, "amx": False}
+# onednn: {dtype: whether this torch build and CPU can prepack it} (a CPU without bf16 support cannot prepack bf16)
+_state = {"backend": "auto", "onednn": {}, "lib": None, "amx": False}
 
 
 @contextlib.contextmanager
@@ -196,22 +198,38 @@ def small_gemm_lib():
 
 def matmul_path(x: torch.Tensor, weight: torch.Tensor) -> str:
     """Which path `linear(x, weight)` takes: "torch", "onednn", "small_gemm" or "small_gemm_bf16"."""
-    b = _state["backend"]
-    if (b == "torch" or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != weight.dtype
-            or weight.dim() != 2 or weight.is_inference()):
+    if (torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != weight.dtype or weight.dim() != 2
+            or weight.is_inference()):
         return "torch"
-    rows = x.numel() // max(x.shape[-1], 1)
+    return _path(_state["backend"], weight.dtype, x.numel() // max(x.shape[-1], 1), x.shape[-1] % 2 == 0)
+
+
+def keeps_packed_copy(dtype: torch.dtype, rows: int) -> bool:
+    """Whether an inference matmul of `rows` rows on this CPU (backend auto) keeps a packed copy of its weight beside
+    it, as long as the weight lives (tlt plan counts these copies)."""
+    return _path("auto", dtype, rows, True) != "torch"
+
+
+def _path(b: str, dtype: torch.dtype, rows: int, k_even: bool) -> str:
     ours = b in ("auto", "small_gemm", "fused") and small_gemm_lib() is not None  # tlt's kernels may serve
-    if ours and weight.dtype == torch.float32 and rows <= SMALL_GEMM_MAX_ROWS:
+    if ours and dtype == torch.float32 and rows <= SMALL_GEMM_MAX_ROWS:
         return "small_gemm"
-    if (ours and weight.dtype == torch.bfloat16 and rows <= BF16_GEMM_MAX_ROWS and x.shape[-1] % 2 == 0
-            and cpu_has_avx512_bf16()):
+    if ours and dtype == torch.bfloat16 and rows <= BF16_GEMM_MAX_ROWS and k_even and cpu_has_avx512_bf16():
         return "small_gemm_bf16"
-    if (b in ("auto", "onednn") and _state["onednn"] and (weight.dtype == torch.bfloat16 or
-                                                          (weight.dtype == torch.float32 and
-                                                           (b == "onednn" or cpu_capability() == "AVX512")))):
+    fp32_onednn = dtype == torch.float32 and (b == "onednn" or cpu_capability() == "AVX512")
+    if b in ("auto", "onednn") and (dtype == torch.bfloat16 or fp32_onednn) and _onednn_prepacks(dtype):
         return "onednn"
     return "torch"
+
+
+def _onednn_prepacks(dtype: torch.dtype) -> bool:
+    if dtype not in _state["onednn"]:
+        try:
+            _pack(torch.ones(4, 4, dtype=dtype), "onednn")
+            _state["onednn"][dtype] = True
+        except (RuntimeError, AttributeError):
+            _state["onednn"][dtype] = False
+    return _state["onednn"][dtype]
 
 
 def _pack(weight: torch.Tensor, path: str):
@@ -234,13 +252,7 @@ def _packed(weight: torch.Tensor, path: str):
     hit = _PACKED.get(key)
     if hit is not None and hit[1] == ptr and hit[2] == version:
         return hit[3]
-    try:
-        packed = _pack(weight, path)
-    except (RuntimeError, AttributeError):
-        if path != "onednn":
-            raise
-        _state["onednn"] = False  # this torch build cannot prepack for oneDNN: F.linear from now on
-        return None
+    packed = _pack(weight, path)
     _PACKED[key] = (weakref.ref(weight, lambda _, k=key: _PACKED.pop(k, None)), ptr, version, packed)
     return packed
 
@@ -271,16 +283,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            out_fp32: bool = False) -> torch.Tensor:
     """F.linear, through a packed weight and a faster kernel when autograd is off on CPU (see module doc).
     out_fp32: return fp32 (the LM head's logits); the bf16 kernel then skips rounding its fp32 sums to bf16."""
-    path, y = matmul_path(x, weight), None
-    if path != "torch":
-        packed = _packed(weight, path)
-        if packed is not None:
-            if path == "small_gemm":
-                return _small_gemm(x, packed, weight.shape[0], bias)
-            if path == "small_gemm_bf16":
-                return _small_gemm_bf16(x, packed, weight.shape[0], bias, out_fp32)
-            y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    if y is None:
+    path = matmul_path(x, weight)
+    if path == "small_gemm":
+        return _small_gemm(x, _packed(weight, path), weight.shape[0], bias)
+    if path == "small_gemm_bf16":
+        return _small_gemm_bf16(x, _packed(weight, path), weight.shape[0], bias, out_fp32)
+    if path == "onednn":
+        y = torch.ops.mkldnn._linear_pointwise(x, _packed(weight, path), bias, "none", [], "")
+    else:
         y = F.linear(x, weight, bias)
     return y.float() if out_fp32 else y
 
