@@ -18,6 +18,7 @@ from tlt.engine.cost_model import CostModel
 from tlt.models import load_model
 from tlt.speculative.drafter import Drafter
 from tlt.speculative.drafter_io import save_drafter
+from tlt.speculative.policy import AdaptivePolicy
 
 CPU_PROFILE = "cpu-zen5-2core"  # measured by `tlt bench profile` (tlt/engine/device_profiles.json)
 
@@ -218,7 +219,7 @@ def test_a_worse_drafter_or_a_shifted_target_is_dropped_by_the_next_rollout(targ
         m = copy.deepcopy(model)
         llm = _gpu_llm(m, trained)
         if window is not None:
-            llm.spec.policy.window = window
+            llm.spec.policy = AdaptivePolicy(*llm.spec.cfg.arms(True, "cuda"), window=window)
         before = _rollouts(llm, 2)
         if change == "publish":
             if window is not None:

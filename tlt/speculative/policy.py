@@ -1,29 +1,18 @@
 """The adaptive speculation policy: per batch-size bucket, the arm with the best measured speed (docs/design.md §6).
 
 A pure object of what it observed. Each decode step the engine asks `choose(batch_size)` for an arm (a drafting
-strategy, or "off": plain decoding) and reports `observe(batch_size, arm, tokens, seconds)`: the tokens the step
-emitted over its rows and its cost on the engine's clock. Time is injected; nothing here reads a clock.
+strategy, or "off": plain decoding) and reports `observe(batch_size, arm, tokens, seconds, nested)`: the tokens the
+step emitted over its rows, its cost on the engine's clock, and what each arm nested in it (`nested_in`) would have
+emitted on the same text. Time is injected; nothing here reads a clock.
 
-Value: an arm's speed relative to plain decoding at the same batch sizes over its last `window` steps,
-sum(tokens_i / bs_i * t(bs_i)) / sum(seconds_i), t(bs) a plain step's cost there (PlainCosts); "off" is 1. Nested
-arms (`nested_in`: a budget cut or a shallower tree of the same top-k, the drafter's argmax chain) are judged on the
-same text: a step of an arm reports what each arm nested in it would have emitted (`observe(..., nested)`), which
-goes on that arm's record at its own steps' cost (seconds over plain seconds at their batch sizes); a nested arm's
-own steps go on the nesting arm's record scaled by their token ratio on its recent steps.
-
-Choice, at or below `bs_threshold` (above it: "off"):
-  1. a trial: an arm whose record holds fewer than `min_steps` steps and `min_rows` rows since it was emptied, in
-     table order ("off" first: it prices the others);
-  2. "off", where the chosen SD arm would be priced without a plain step at this batch size, or none ran in the last
-     `refresh` choices (the price follows the machine);
-  3. the active arm of highest score, value x (1 + explore * sqrt(ln(1 + n) / its steps)), n the bucket's choices (UCB:
-     the bonus decays as its steps accrue); "off" scores 1 and wins ties.
-Parking, the one mechanism for anything that stopped paying: an SD arm judged below 1 is parked (neither chosen nor
-explored) and probed (a fresh trial) once its bucket has decoded n / `probe` times what a probe loses (a trial's
-steps at its measured loss; n: the bucket's SD arms, so their probes together cost about `probe` of its time),
-doubled for each losing probe in a row (up to 2 ** backoff), or at once when published drafters have grown its
-accept length enough for it to pay
-(`drafter_changed(gain)`). `explain()` says per bucket and arm what the record holds and why it runs or not.
+An arm's value is its speed relative to plain decoding at the same batch sizes over its last `window` steps (plain
+steps' costs: PlainCosts). Choice, at or below `bs_threshold` ("off" above): a trial for an arm with under
+`min_steps` steps and `min_rows` rows on record, in table order; "off" where the price it judges by is missing or
+`refresh` choices old; else the highest UCB score, value x (1 + explore * sqrt(ln(1 + n) / its steps)). Parking is
+the one mechanism for anything that stopped paying: an SD arm below 1 waits, unchosen, until its bucket has decoded
+n / `probe` times what its probe (a fresh trial) loses, doubled per losing probe up to 2 ** `backoff`, or until
+published drafters' gains (`drafter_changed`) would make it pay. `explain()` says per bucket and arm what the
+record holds and why it runs or not.
 """
 from __future__ import annotations
 
@@ -64,14 +53,12 @@ class PlainCosts:
     def __init__(self):
         self.steps: dict[int, deque] = {}
         self.sizes: list[int] = []  # the measured batch sizes, sorted
-        self.version = 0            # counts the steps added (what a cached value was priced at)
         self._cache: dict[int, float] = {}
 
     def add(self, bs: int, seconds: float) -> None:
         if bs not in self.steps:
             bisect.insort(self.sizes, bs)
         self.steps.setdefault(bs, deque(maxlen=PRICE_STEPS)).append(seconds)
-        self.version += 1
         for b in [b for b in self._cache if abs(b - bs) <= max(1, b // 4)]:  # the prices this step is near
             del self._cache[b]
 
@@ -108,14 +95,11 @@ class PlainCosts:
 
 @dataclass
 class ArmRecord:
-    """One arm in one bucket: its last steps, the sums its value reads, and its parking."""
+    """One arm in one bucket: its last steps and its parking."""
     arm: Arm
-    steps: deque = field(default_factory=deque)  # (bs, tokens, seconds), its own or read off a nesting arm's
-    own: deque = field(default_factory=deque)    # its own steps' (plain price, seconds): what a step costs it
-    pairs: dict = field(default_factory=dict)    # nesting arm -> deque of (its tokens, that arm's) on that arm's steps
-    seconds: float = 0.0
-    rows: int = 0                    # its steps' batch sizes summed
-    sums: dict[int, list] = field(default_factory=dict)  # batch size -> [steps, sum of tokens / bs]
+    steps: deque  # (bs, tokens, seconds), its own or read off a nesting arm's
+    own: deque    # its own steps' (plain price, seconds): what a step costs it
+    pairs: dict = field(default_factory=dict)  # nesting arm -> deque of (its tokens, that arm's) on that arm's steps
     chosen: int = 0
     parked_for: float | None = None  # seconds its bucket decodes before its probe; None: active
     waited: float = 0.0              # seconds its bucket decoded since it was parked
@@ -123,51 +107,22 @@ class ArmRecord:
     grown: float = 1.0               # its drafter's accept-length growth since then (drafter_changed's gains)
     misses: int = 0                  # probes in a row that found it losing
     probing: bool = False            # active for a probe (judged at the end of its trial)
-    cached: tuple = (-1, 0.0)        # (prices' version, value) of the record as it is
 
-    def add(self, step: tuple, window: int, price: float | None = None) -> None:
-        """A step on record; price: a plain step's seconds at its batch size, for one of its own."""
-        while len(self.steps) >= window:
-            self.drop_oldest()
-        self.steps.append(step)
-        self._count(step, 1)
-        self.cached = (-1, 0.0)
-        if price is not None:
-            if len(self.own) >= window:
-                self.own.popleft()
-            self.own.append((price, step[2]))
+    @property
+    def rows(self) -> int:
+        return sum(bs for bs, _, _ in self.steps)
 
     def cost(self) -> float | None:
         """Its steps' seconds over plain steps' at their batch sizes (None before one of its own)."""
         return sum(s for _, s in self.own) / sum(p for p, _ in self.own) if self.own else None
 
-    def drop_oldest(self) -> None:
-        step = self.steps.popleft()
-        self._count(step, -1)
-        if not self.sums[step[0]][0]:
-            del self.sums[step[0]]  # no float residue of a batch size that left the window
-        if not self.steps:
-            self.seconds = 0.0
-        self.cached = (-1, 0.0)
-
-    def _count(self, step: tuple, sign: int) -> None:
-        bs, tokens, seconds = step
-        self.seconds += sign * seconds
-        self.rows += sign * bs
-        s = self.sums.setdefault(bs, [0, 0.0])
-        s[0] += sign
-        s[1] += sign * tokens / bs
-
     def keep_last(self, n: int) -> None:
-        while len(self.steps) > n:
-            self.drop_oldest()
-        for d in (self.own, *self.pairs.values()):
+        for d in (self.steps, self.own, *self.pairs.values()):
             while len(d) > n:
                 d.popleft()
 
-    def pair(self, head: Arm, tokens: float, head_tokens: float, window: int) -> None:
-        d = self.pairs.setdefault(head, deque(maxlen=window))
-        d.append((tokens, head_tokens))
+    def pair(self, head: Arm, tokens: float, head_tokens: float) -> None:
+        self.pairs.setdefault(head, deque(maxlen=self.steps.maxlen)).append((tokens, head_tokens))
 
     def ratio(self, head: Arm) -> float | None:
         """Its tokens over the nesting arm's on that arm's recent steps (None before one)."""
@@ -188,10 +143,6 @@ class Bucket:
     choices: int = 0      # choices made there (the exploration bonus's log)
     since_off: int = 0    # choices since "off" was chosen (refresh)
 
-    def nested(self, arm: Arm) -> list[Arm]:
-        """The bucket's arms whose drafts are among `arm`'s on every step (nested_in)."""
-        return [r.arm for r in self.arms if nested_in(r.arm, arm)]
-
     @property
     def name(self) -> str:
         if self.hi == math.inf:
@@ -210,11 +161,12 @@ class AdaptivePolicy:
             names = [a.name for a in table]
             if not table or len(set(names)) != len(names):
                 raise ValueError(f"a bucket needs at least one arm and unique names, got {names}")
-        self.bs_threshold, self.explore, self.window = bs_threshold, explore, window
+        self.bs_threshold, self.explore = bs_threshold, explore
         self.min_steps, self.min_rows = min_steps, min_rows
         self.refresh, self.probe, self.backoff = refresh, probe, backoff
         self.price = PlainCosts()
-        self.buckets = [Bucket(1 if i == 0 else int(bounds[i - 1]) + 1, hi, [ArmRecord(a) for a in table])
+        self.buckets = [Bucket(1 if i == 0 else int(bounds[i - 1]) + 1, hi,
+                               [ArmRecord(a, deque(maxlen=window), deque(maxlen=window)) for a in table])
                         for i, (hi, table) in enumerate(zip(bounds, arms))]
 
     def bucket(self, bs: int) -> Bucket:
@@ -226,10 +178,10 @@ class AdaptivePolicy:
             return 1.0
         if not rec.steps or not self.price:
             return -math.inf
-        if rec.cached[0] != self.price.version:
-            value = sum(t * self.price(bs) for bs, (_, t) in rec.sums.items()) / max(rec.seconds, 1e-12)
-            rec.cached = (self.price.version, value)
-        return rec.cached[1]
+        per_row: dict[int, float] = {}  # tokens a row, by batch size (each priced once)
+        for bs, tokens, _ in rec.steps:
+            per_row[bs] = per_row.get(bs, 0.0) + tokens / bs
+        return sum(t * self.price(bs) for bs, t in per_row.items()) / max(sum(s for *_, s in rec.steps), 1e-12)
 
     def plain_seconds(self, bs: int, tokens: float) -> float | None:
         """What plain decoding takes for `tokens` emitted at batch size bs; None before any plain step."""
@@ -270,7 +222,9 @@ class AdaptivePolicy:
     # ---- observing ----------------------------------------------------------------------------------------------
     def nested(self, bs: int, arm: Arm) -> list[Arm]:
         """The arms whose tokens on a step of `arm` at bs observe wants (`nested`): its bucket's nested in it."""
-        return [] if self.bs_threshold is not None and bs > self.bs_threshold else self.bucket(bs).nested(arm)
+        if self.bs_threshold is not None and bs > self.bs_threshold:
+            return []
+        return [r.arm for r in self.bucket(bs).arms if nested_in(r.arm, arm)]
 
     def observe(self, bs: int, arm: Arm, tokens: float, seconds: float,
                 nested: dict[Arm, float] | None = None) -> None:
@@ -287,17 +241,19 @@ class AdaptivePolicy:
                 if r.waited >= r.parked_for:
                     r.unpark()
         rec = next(r for r in b.arms if r.arm == arm)
-        rec.add((bs, tokens, seconds), self.window, self.price(bs) if self.price else None)
+        rec.steps.append((bs, tokens, seconds))
+        if self.price:
+            rec.own.append((self.price(bs), seconds))
         for r in b.arms if arm.method != "off" and self.price else ():
             cost = r.cost()
             if r.arm in (nested or ()):
-                r.pair(arm, nested[r.arm], tokens, self.window)
+                r.pair(arm, nested[r.arm], tokens)
             if r.parked_for is not None or cost is None:
                 continue
             if r.arm in (nested or ()):  # what it would have emitted here, at its own steps' cost
-                r.add((bs, nested[r.arm], cost * self.price(bs)), self.window)
+                r.steps.append((bs, nested[r.arm], cost * self.price(bs)))
             elif nested_in(arm, r.arm) and rec.ratio(r.arm):  # the nesting arm's tokens here by their recent ratio
-                r.add((bs, tokens / rec.ratio(r.arm), cost * self.price(bs)), self.window)
+                r.steps.append((bs, tokens / rec.ratio(r.arm), cost * self.price(bs)))
         if arm.method != "off" and self._tried(rec) and off_in(b):
             self._judge(rec, sum(r.arm.method != "off" for r in b.arms))
 
